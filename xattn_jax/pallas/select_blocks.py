@@ -1,0 +1,100 @@
+"""Section 4 as a Pallas kernel: threshold selection without sorting.
+
+The rule takes candidate blocks in descending order while the selected total is below
+`threshold * total`. Sorting is not needed to find that set: with G(x) = forced mass +
+the mass of candidates >= x, the last value taken is x* = max{x : G(x) >= target}. Block
+sums are non-negative floats, whose order is the order of their int32 bit patterns, so a
+31-step bisection over the bit patterns finds x* exactly. Everything above x* is taken;
+blocks equal to x* are taken in index order (a running count) while still below target.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from xattn_jax.geometry import next_pow2
+
+_ROW_ELEMENTS = 4096  # rows x padded key blocks one program holds
+_FLOAT_BITS = 31  # bisection steps: non-negative float32 bit patterns are < 2**31
+_INF_BITS = 0x7F800000
+
+
+def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks: int,
+                   rows: int, causal: bool, keep_sink: bool, keep_recent: bool):
+    h = pl.program_id(1)
+    width = next_pow2(k_blocks)
+    blocks = jnp.arange(width)
+    row0 = pl.program_id(2) * rows
+    row_ids = row0 + jnp.arange(rows)
+    real = (row_ids < q_blocks)[:, None] & (blocks < k_blocks)[None, :]
+    window = (pl.ds(row0, rows), pl.ds(0, width))
+    sums = plgpu.load(sums_ref.at[window], mask=real, other=0.0)
+
+    j = blocks[None, :]
+    diagonal = row_ids[:, None] + (k_blocks - q_blocks)
+    forced = real & (((j == 0) & (causal or keep_sink))
+                     | ((j == diagonal) & (causal or keep_recent)))
+    allowed = real & (j <= diagonal) if causal else real
+    candidate = allowed & ~forced
+
+    total = sums.sum(axis=1)
+    target = threshold_ref[h] * total
+    forced_mass = jnp.where(forced, sums, 0.0).sum(axis=1)
+    bits = jnp.where(candidate, jax.lax.bitcast_convert_type(sums, jnp.int32), -1)
+
+    def reached(x):  # G(x) >= target, per row
+        return forced_mass + jnp.where(bits >= x[:, None], sums, 0.0).sum(axis=1) >= target
+
+    def bisect(_, bounds):  # invariant: G(lo) >= target > G(hi)
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = reached(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(
+        0, _FLOAT_BITS, bisect,
+        (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _INF_BITS + 1, jnp.int32)))
+    above = bits >= hi[:, None]
+    tied = bits == lo[:, None]
+    tie_value = jax.lax.bitcast_convert_type(lo, jnp.float32)
+    above_mass = forced_mass + jnp.where(above, sums, 0.0).sum(axis=1)
+    ties_before = jnp.cumsum(tied.astype(jnp.int32), axis=1) - 1
+    take_tie = tied & (above_mass[:, None] + ties_before * tie_value[:, None] < target[:, None])
+    chosen = forced | above | take_tie
+    # Forced blocks alone reach the target: nothing more. The candidates together miss it
+    # (float rounding at threshold 1): all of them. A non-finite row: everything allowed.
+    chosen = jnp.where((forced_mass >= target)[:, None], forced, chosen)
+    chosen = jnp.where(reached(jnp.zeros((rows,), jnp.int32))[:, None], chosen, forced | candidate)
+    chosen = jnp.where(jnp.isfinite(total)[:, None], chosen, allowed)
+    plgpu.store(mask_ref.at[window], chosen.astype(jnp.int8), mask=real)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent",
+                                             "interpret"))
+def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
+                  keep_sink: bool = False, keep_recent: bool = False,
+                  interpret: bool = False) -> jax.Array:
+    """Pallas section 4. block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32 `[Hq]`.
+
+    Returns bool `[B, Hq, qb, kb]`, the same rule as `reference.select_blocks`.
+    """
+    b, hq, qb, kb = block_sums.shape
+    rows = max(1, _ROW_ELEMENTS // next_pow2(kb))
+    kernel = functools.partial(_select_kernel, q_blocks=qb, k_blocks=kb, rows=rows,
+                               causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
+    full = pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0))
+    mask = pl.pallas_call(
+        kernel,
+        grid=(b, hq, pl.cdiv(qb, rows)),
+        in_specs=[full, pl.BlockSpec((hq,), lambda i, h, r: (0,))],
+        out_specs=full,
+        out_shape=jax.ShapeDtypeStruct(block_sums.shape, jnp.int8),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if kb <= 1024 else 8),
+        interpret=interpret,
+    )(block_sums, threshold)
+    return mask.astype(bool)

@@ -1,0 +1,116 @@
+"""Plain-JAX reference of the estimate: the source of truth for every kernel.
+
+One function per section of ESTIMATE.md, float32 throughout, written for reading rather
+than speed. It pads only to a whole stride group (never to a whole block), so it shows
+directly that block padding changes nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xattn_jax.geometry import Geometry
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _pad_to_stride(x: jax.Array, stride: int) -> jax.Array:
+    pad = -x.shape[2] % stride
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+
+def strided_scores(q: jax.Array, k: jax.Array, geom: Geometry, norm: float) -> jax.Array:
+    """Section 1: antidiagonal scores A, float32 `[B, Hq, q_rows, k_cols]`.
+
+    A[i, j] = sum_s q[i*S + (S-1-s)] . k[j*S + s] / (sqrt(D) * S * norm); a partly filled
+    last stride group reads zeros for its missing tokens.
+    """
+    s, g = geom.stride, geom.group
+    q = _pad_to_stride(q, s)
+    k = _pad_to_stride(k, s)
+    b, hq, lq, d = q.shape
+    # Query group read in reverse, key group forward: one antidiagonal per S x S tile.
+    q_rows = q.reshape(b, hq, lq // s, s, d)[:, :, :, ::-1, :]
+    q_rows = q_rows.reshape(b, geom.kv_heads, g, lq // s, s * d)
+    k_cols = k.reshape(b, geom.kv_heads, k.shape[2] // s, s * d)
+    a = jnp.einsum("bhgid,bhjd->bhgij", q_rows, k_cols,
+                   preferred_element_type=jnp.float32, precision=_HIGHEST)
+    return a.reshape(b, hq, lq // s, -1) * jnp.float32(geom.scale / norm)
+
+
+def visible(geom: Geometry, causal: bool) -> jax.Array:
+    """Section 2: bool `[q_rows, k_cols]`, which key columns each query row may see."""
+    i = jnp.arange(geom.q_rows)[:, None]
+    j = jnp.arange(geom.k_cols)[None, :]
+    if causal:
+        return j <= i + geom.row_offset
+    return jnp.ones((geom.q_rows, geom.k_cols), bool)
+
+
+def softmax_block_sums(scores: jax.Array, geom: Geometry, causal: bool) -> jax.Array:
+    """Sections 2-3: row softmax over the visible columns, summed per block.
+
+    scores: float32 `[B, Hq, q_rows, k_cols]`. Returns float32
+    `[B, Hq, q_blocks, k_blocks]`; each full query block's row sums to block_size / S.
+    """
+    p = jax.nn.softmax(jnp.where(visible(geom, causal), scores, -jnp.inf), axis=-1)
+    n = geom.block_rows
+    pad_rows = geom.q_blocks * n - geom.q_rows
+    pad_cols = geom.k_blocks * n - geom.k_cols
+    p = jnp.pad(p, ((0, 0), (0, 0), (0, pad_rows), (0, pad_cols)))
+    b, h = p.shape[:2]
+    return p.reshape(b, h, geom.q_blocks, n, geom.k_blocks, n).sum(axis=(3, 5))
+
+
+def forced_and_allowed(q_blocks: int, k_blocks: int, *, causal: bool, keep_sink: bool,
+                       keep_recent: bool) -> tuple[jax.Array, jax.Array]:
+    """Section 4's fixed rules, bool `[q_blocks, k_blocks]` each.
+
+    forced: always selected (key block 0 and the diagonal block I + kb - qb, in causal mode
+    or when asked for). allowed: may be selected at all (causal: not after the diagonal).
+    """
+    i = jnp.arange(q_blocks)[:, None]
+    j = jnp.arange(k_blocks)[None, :]
+    diagonal = i + (k_blocks - q_blocks)
+    forced = ((j == 0) & (causal or keep_sink)) | ((j == diagonal) & (causal or keep_recent))
+    allowed = (j <= diagonal) if causal else jnp.ones_like(forced)
+    return forced, allowed
+
+
+def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
+                  keep_sink: bool = False, keep_recent: bool = False) -> jax.Array:
+    """Section 4: the smallest set of key blocks per row reaching `threshold` of the mass.
+
+    block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32 `[Hq]`. Returns bool
+    `[B, Hq, qb, kb]`. Forced blocks count towards the threshold; the others are taken in
+    descending order (ties: lower index first) while the selected total is below
+    threshold * row total. A row whose total is not finite (NaN or inf in q or k) selects
+    every allowed block, so nothing is dropped silently.
+    """
+    qb, kb = block_sums.shape[-2:]
+    forced, allowed = forced_and_allowed(qb, kb, causal=causal, keep_sink=keep_sink,
+                                         keep_recent=keep_recent)
+    total = block_sums.sum(axis=-1, keepdims=True)
+    target = threshold[None, :, None, None] * total
+    forced_mass = jnp.where(forced, block_sums, 0.0).sum(axis=-1, keepdims=True)
+    candidate = jnp.broadcast_to(allowed & ~forced, block_sums.shape)
+    key = jnp.where(candidate, block_sums, -1.0)
+    order = jnp.argsort(-key, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(jnp.where(candidate, block_sums, 0.0), order, axis=-1)
+    running = jnp.cumsum(ranked, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
+    take_ranked = jnp.take_along_axis(candidate, order, axis=-1) & (forced_mass + before < target)
+    take = jnp.zeros_like(take_ranked).at[
+        jnp.arange(block_sums.shape[0])[:, None, None, None],
+        jnp.arange(block_sums.shape[1])[None, :, None, None],
+        jnp.arange(qb)[None, None, :, None],
+        order].set(take_ranked)
+    mask = forced | take
+    return jnp.where(jnp.isfinite(total), mask, allowed)
+
+
+def block_sums(q: jax.Array, k: jax.Array, geom: Geometry, *, causal: bool,
+               norm: float) -> jax.Array:
+    """Sections 1-3 for q `[B, Hq, Lq, D]`, k `[B, Hkv, Lk, D]`: float32 block sums."""
+    return softmax_block_sums(strided_scores(q, k, geom, norm), geom, causal)
