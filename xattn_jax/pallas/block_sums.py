@@ -1,14 +1,14 @@
 """Sections 2-3 as one Pallas kernel: softmax and block sums over score tiles never stored.
 
-Each program owns `tile` reshaped query rows of one (batch, query head) and walks the
-visible key tiles twice:
+Each program owns `tiling.rows` reshaped query rows of one (batch, query head) and walks
+the visible key tiles (`tiling.cols` columns each) twice:
 
-1. row statistics: the running maximum m and the sum l of exp(A - m) per row (online
-   softmax), over every visible column;
-2. block sums: exp(A - m) / l per element, summed over `fine x fine` squares and stored.
+1. row statistics: the running maximum m and the sum l of 2^(A' - m) per row (online
+   softmax in base 2: A' = A * log2(e), the factor folded into the score scale);
+2. block sums: 2^(A' - m) / l per element, summed over `fine x fine` squares and stored.
 
-`fine` = gcd(block_rows, tile) is the internal block: block sums at `block_size` are sums
-of (block_rows / fine)^2 fine blocks (ESTIMATE.md section 3, hierarchical sums). So the
+`fine` = gcd(block_rows, rows, cols) is the internal block: block sums at `block_size` are
+sums of (block_rows / fine)^2 fine blocks (ESTIMATE.md section 3, hierarchical sums), so the
 kernel's work per element is the same for every block size from 64 to 4096 tokens; only
 the cheap final sum changes. Causal programs stop at their last visible key tile and write
 zeros beyond it.
@@ -17,7 +17,6 @@ zeros beyond it.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,37 +25,36 @@ from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
 from xattn_jax.pallas.strided_scores import qk_specs, score_tile
+from xattn_jax.pallas.tiling import Tiling, default_tiling
 
-
-def fine_rows(geom: Geometry, tile: int) -> int:
-    """The internal block in reshaped rows: the largest divisor of block_rows within a tile."""
-    return math.gcd(geom.block_rows, tile)
+LOG2_E = 1.4426950408889634
 
 
 def _block_sums_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, causal: bool, norm: float,
-                       tile: int):
-    fine = fine_rows(geom, tile)
-    per_tile = tile // fine
-    out_rows = geom.q_blocks * (geom.block_rows // fine)
-    out_cols = geom.k_blocks * (geom.block_rows // fine)
-    row_tile = pl.program_id(2)
-    row0 = row_tile * tile
-    row_ids = row0 + jnp.arange(tile)
+                       tiling: Tiling):
+    rows, cols = tiling.rows, tiling.cols
+    fine = tiling.fine(geom)
+    per_block = geom.block_rows // fine
+    out_rows, out_cols = geom.q_blocks * per_block, geom.k_blocks * per_block
+    row0 = pl.program_id(2) * rows
+    row_ids = row0 + jnp.arange(rows)
     row_real = row_ids < geom.q_rows
 
     if causal:
-        last_row = jnp.minimum(row0 + tile, geom.q_rows) - 1
+        last_row = jnp.minimum(row0 + rows, geom.q_rows) - 1
         last_col = jnp.minimum(last_row + geom.row_offset, geom.k_cols - 1)
-        visible_tiles = last_col // tile + 1
+        visible_tiles = last_col // cols + 1
     else:
-        visible_tiles = pl.cdiv(geom.k_cols, tile)
-    visible_tiles = jnp.where(row0 < geom.q_rows, visible_tiles, 0)  # all-padding row tile
-    all_tiles = pl.cdiv(geom.k_blocks * geom.block_rows, tile)
+        visible_tiles = jnp.int32(pl.cdiv(geom.k_cols, cols))
+    # A row tile made only of padding sees nothing.
+    visible_tiles = jax.lax.select(row0 < geom.q_rows, visible_tiles, jnp.int32(0))
+    all_tiles = pl.cdiv(out_cols * fine, cols)
 
-    def masked_scores(col_tile):
-        col0 = col_tile * tile
-        a = score_tile(q_ref, k_ref, row0, col0, rows=tile, cols=tile, geom=geom, norm=norm)
-        col_ids = col0 + jnp.arange(tile)
+    def masked_scores(col_tile):  # A * log2(e), -inf where not visible
+        col0 = col_tile * cols
+        a = score_tile(q_ref, k_ref, row0, col0, rows=rows, cols=cols, geom=geom,
+                       scale=geom.scale / norm * LOG2_E)
+        col_ids = col0 + jnp.arange(cols)
         seen = (col_ids < geom.k_cols)[None, :]
         if causal:
             seen = seen & (col_ids[None, :] <= row_ids[:, None] + geom.row_offset)
@@ -66,62 +64,63 @@ def _block_sums_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, causal: bool, n
         m, l = carry
         a = masked_scores(col_tile)
         m_new = jnp.maximum(m, a.max(axis=1))
-        l = l * jnp.exp(m - m_new) + jnp.exp(a - m_new[:, None]).sum(axis=1)
+        l = l * jnp.exp2(m - m_new) + jnp.exp2(a - m_new[:, None]).sum(axis=1)
         return m_new, l
 
     m, l = jax.lax.fori_loop(
         0, visible_tiles, row_stats,
-        (jnp.full((tile,), -jnp.inf, jnp.float32), jnp.zeros((tile,), jnp.float32)))
-    inv_l = 1.0 / l
+        (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)))
+    weight = jnp.where(row_real, 1.0 / l, 0.0)  # padded query rows add nothing
 
-    out_row0 = row_tile * per_tile
-    out_row_real = (out_row0 + jnp.arange(per_tile)) < out_rows
+    out_row0 = pl.program_id(2) * (rows // fine)
+    out_row_real = (out_row0 + jnp.arange(rows // fine)) < out_rows
 
     def store(col_tile, sums):
-        out_col0 = col_tile * per_tile
-        mask = out_row_real[:, None] & ((out_col0 + jnp.arange(per_tile)) < out_cols)[None, :]
-        plgpu.store(out_ref.at[pl.ds(out_row0, per_tile), pl.ds(out_col0, per_tile)], sums,
-                    mask=mask)
+        out_col0 = col_tile * (cols // fine)
+        mask = out_row_real[:, None] \
+            & ((out_col0 + jnp.arange(cols // fine)) < out_cols)[None, :]
+        plgpu.store(out_ref.at[pl.ds(out_row0, rows // fine), pl.ds(out_col0, cols // fine)],
+                    sums, mask=mask)
 
     def write_sums(col_tile, carry):
-        p = jnp.exp(masked_scores(col_tile) - m[:, None]) * inv_l[:, None]
-        p = jnp.where(row_real[:, None], p, 0.0)  # padded query rows add nothing
-        store(col_tile, p.reshape(per_tile, fine, per_tile, fine).sum(axis=(1, 3)))
+        p = jnp.exp2(masked_scores(col_tile) - m[:, None]) * weight[:, None]
+        p = jnp.where(row_real[:, None], p, 0.0)
+        store(col_tile, p.reshape(rows // fine, fine, cols // fine, fine).sum(axis=(1, 3)))
         return carry
 
-    def write_zeros(col_tile, carry):
-        store(col_tile, jnp.zeros((per_tile, per_tile), jnp.float32))
+    def write_zeros(i, carry):  # loops from 0: a traced lower bound trips jax 0.11.2
+        store(visible_tiles + i, jnp.zeros((rows // fine, cols // fine), jnp.float32))
         return carry
 
     jax.lax.fori_loop(0, visible_tiles, write_sums, None)
-    jax.lax.fori_loop(visible_tiles, all_tiles, write_zeros, None)
+    jax.lax.fori_loop(0, all_tiles - visible_tiles, write_zeros, None)
 
 
-@functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "tile", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "tiling", "interpret"))
 def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm: float,
-               tile: int = 64, num_warps: int = 4, num_stages: int = 2,
-               interpret: bool = False) -> jax.Array:
+               tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
     """Pallas sections 1-3: float32 block sums `[B, Hq, ceil(Lq/bs), ceil(Lk/bs)]`.
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, same dtype (float32, bfloat16, float16).
-    `tile` (a power of two, >= 16 on GPU) is the program's square of reshaped rows and
-    columns. Extra memory: the fine block sums only, never the score matrix.
+    `tiling` defaults to the measured `default_tiling`. Extra memory: the fine block sums
+    only, never the score matrix.
     """
-    fine = fine_rows(geom, tile)
+    tiling = tiling or default_tiling(geom, q.dtype)
+    fine = tiling.fine(geom)
     per_block = geom.block_rows // fine
     out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
                  geom.k_blocks * per_block)
-    grid = (geom.batch, geom.q_heads, pl.cdiv(geom.q_blocks * geom.block_rows, tile))
+    grid = (geom.batch, geom.q_heads, pl.cdiv(out_shape[2] * fine, tiling.rows))
     kernel = functools.partial(_block_sums_kernel, geom=geom, causal=causal, norm=norm,
-                               tile=tile)
+                               tiling=tiling)
     sums = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=qk_specs(geom),
         out_specs=pl.BlockSpec((None, None) + out_shape[2:], lambda b, h, *_: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                             num_stages=tiling.num_stages),
         interpret=interpret,
     )(q, k)
     if per_block == 1:

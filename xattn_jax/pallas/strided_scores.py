@@ -19,38 +19,49 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry, next_pow2
+from xattn_jax.pallas.tiling import default_tiling
 
 
 def _load_tokens(ref, tokens: jax.Array, length: int, head_dim: int) -> jax.Array:
     """Loads token rows `tokens` (int32 `[n]`) of a `[length, head_dim]` ref as `[n, D_pad]`.
 
-    Rows at or past `length` (padding) and columns past `head_dim` read as zeros.
+    Rows at or past `length` (padding) and columns past `head_dim` read as zeros. With a
+    power-of-two head_dim the column index is a plain range and the mask is constant along
+    a row, which lets Triton vectorize the loads (a clamped or masked column index costs
+    several times the kernel's time).
     """
+    rows = jnp.minimum(tokens, length - 1)[:, None]
+    mask = (tokens < length)[:, None]
     dims = jnp.arange(next_pow2(head_dim))
-    rows = jnp.minimum(tokens, length - 1)
-    cols = jnp.minimum(dims, head_dim - 1)
-    mask = (tokens < length)[:, None] & (dims < head_dim)[None, :]
-    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+    if dims.shape[0] == head_dim:
+        cols = dims[None, :]
+    else:
+        cols = jnp.minimum(dims, head_dim - 1)[None, :]
+        mask = mask & (dims < head_dim)[None, :]
+    return plgpu.load(ref.at[rows, cols], mask=mask, other=0)
 
 
 def score_tile(q_ref, k_ref, row0, col0, *, rows: int, cols: int, geom: Geometry,
-               norm: float) -> jax.Array:
-    """Scores A for reshaped rows [row0, row0+rows) and columns [col0, col0+cols).
+               scale: float) -> jax.Array:
+    """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols).
 
     q_ref: `[Lq, D]` (one batch and query head); k_ref: `[Lk, D]` (its key head).
-    Returns float32 `[rows, cols]`; rows and columns past the real tokens see zeros.
+    Returns float32 `[rows, cols]`: the strided products times `scale` (A is scale =
+    1 / (sqrt(D) * S * norm)); rows and columns past the real tokens see zeros.
     """
     s = geom.stride
     row_ids = row0 + jnp.arange(rows)
     col_ids = col0 + jnp.arange(cols)
     precision = (jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
-    acc = jnp.zeros((rows, cols), jnp.float32)
-    for member in range(s):  # query group read in reverse, key group forward
+
+    def add_member(member, acc):  # query group read in reverse, key group forward
         q_part = _load_tokens(q_ref, row_ids * s + (s - 1 - member), geom.q_len, geom.head_dim)
         k_part = _load_tokens(k_ref, col_ids * s + member, geom.k_len, geom.head_dim)
-        acc += plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
-    return acc * jnp.float32(geom.scale / norm)
+        return acc + plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
+
+    acc = jax.lax.fori_loop(0, s, add_member, jnp.zeros((rows, cols), jnp.float32))
+    return acc * jnp.float32(scale)
 
 
 def qk_specs(geom: Geometry) -> list[pl.BlockSpec]:
@@ -69,7 +80,8 @@ def qk_specs(geom: Geometry) -> list[pl.BlockSpec]:
 def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float, tile: int):
     row0 = pl.program_id(2) * tile
     col0 = pl.program_id(3) * tile
-    a = score_tile(q_ref, k_ref, row0, col0, rows=tile, cols=tile, geom=geom, norm=norm)
+    a = score_tile(q_ref, k_ref, row0, col0, rows=tile, cols=tile, geom=geom,
+                   scale=geom.scale / norm)
     mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
         & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]
     plgpu.store(out_ref.at[pl.ds(row0, tile), pl.ds(col0, tile)], a, mask=mask)
@@ -77,13 +89,14 @@ def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float
 
 @functools.partial(jax.jit, static_argnames=("geom", "norm", "tile", "interpret"))
 def strided_scores(q: jax.Array, k: jax.Array, *, geom: Geometry, norm: float,
-                   tile: int = 64, interpret: bool = False) -> jax.Array:
+                   tile: int | None = None, interpret: bool = False) -> jax.Array:
     """Pallas section 1: float32 scores `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`.
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]` (float32, bfloat16 or float16). This writes
     the whole score matrix, O((L/S)^2) memory: use it to inspect scores, not inside the
     estimate, which fuses it away.
     """
+    tile = tile or min(64, default_tiling(geom, q.dtype).rows)
     grid = (geom.batch, geom.q_heads, pl.cdiv(geom.q_rows, tile), pl.cdiv(geom.k_cols, tile))
     kernel = functools.partial(_strided_scores_kernel, geom=geom, norm=norm, tile=tile)
     return pl.pallas_call(

@@ -1,0 +1,103 @@
+"""Shared pieces of the benchmarks: timing, floors, memory, records and tables.
+
+Floors use the ceilings measured on our H200 (../shared/anchors/H200.md): the bf16 XLA
+matmul at 753 TFLOP/s and a device-to-device copy at 4.25 TB/s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+
+MATMUL_FLOPS = 753e12  # bf16, XLA 8192^3 on the H200
+COPY_BYTES = 4.25e12  # bytes read + written per second on the H200
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr, so stdout keeps only the tables."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def strided_flops(heads: int, q_len: int, k_len: int, stride: int, head_dim: int,
+                  causal: bool) -> float:
+    """FLOPs of the strided product, counting only the visible part in causal mode."""
+    rows, cols = q_len / stride, k_len / stride
+    pairs = rows * cols - (rows * rows / 2 if causal else 0.0)
+    return 2.0 * heads * pairs * stride * head_dim
+
+
+def floor_ms(flops: float, nbytes: float = 0.0) -> float:
+    return 1e3 * max(flops / MATMUL_FLOPS, nbytes / COPY_BYTES)
+
+
+def time_ms(fn, inputs: list, warmup: int = 3, reps: int = 20) -> float:
+    """Median wall time in ms of fn(*inputs[i % len(inputs)]) waited to completion.
+
+    Rotating among several input sets keeps them out of L2 when each is small.
+    """
+    import jax
+
+    for i in range(warmup):
+        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+    times = []
+    for i in range(reps):
+        args = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def jax_extra_mib(fn, *args) -> float:
+    """MiB XLA allocates for one call beyond its inputs: outputs plus temporaries."""
+    import jax
+
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return (stats.output_size_in_bytes + stats.temp_size_in_bytes) / 2**20
+
+
+def versions() -> str:
+    import jax
+
+    parts = [f"python {platform.python_version()}", f"jax {jax.__version__}"]
+    for name in ("jaxlib", "torch", "triton"):
+        try:
+            parts.append(f"{name} {__import__(name).__version__}")
+        except ImportError:
+            pass
+    return ", ".join(parts)
+
+
+def gpu_name() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def record(case: str, impl: str, ms: float, floor: float, extra_mib: float) -> dict:
+    return {"case": case, "impl": impl, "gpu": gpu_name(), "ms": round(ms, 4),
+            "floor_ms": round(floor, 4), "extra_mib": round(extra_mib, 1),
+            "date": today(), "versions": versions()}
+
+
+def markdown_table(records: list[dict]) -> str:
+    lines = ["| case | impl | ms | floor ms | time / floor | extra MiB |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        ratio = r["ms"] / r["floor_ms"] if r["floor_ms"] else float("nan")
+        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{ratio:.2f} | {r['extra_mib']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, records: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)

@@ -1,0 +1,46 @@
+"""Tile shapes and Triton launch parameters of the Pallas kernels, chosen by measurement.
+
+`python -m bench.tune` measured these on an H200 (bench/results/tuning.md has the table):
+for 2-byte inputs 128 x 128 tiles with 8 warps and 3 pipeline stages were the fastest of
+the variants tried. float32 inputs need twice the shared memory per tile (a 64 x 64 tile
+with 2 stages asked for 256 KiB, over the H200's 227 KiB), so they take 32 x 32 tiles:
+float32 is the exactness path, not the fast one. Head dims above 128 shrink the tile in
+proportion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from xattn_jax.geometry import Geometry, next_pow2
+
+_FAST = (128, 128, 8, 3)  # rows, cols, num_warps, num_stages for bf16 / f16
+_EXACT = (32, 32, 4, 2)  # for float32
+_MIN_SIDE = 16  # Triton's smallest dot operand side
+_BASE_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """A program's tile (reshaped query rows x key columns, powers of two, >= 16 on GPU)
+    and its Triton launch parameters."""
+
+    rows: int = 64
+    cols: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def fine(self, geom: Geometry) -> int:
+        """The internal block in reshaped rows: the largest divisor of block_rows that
+        divides both tile sides."""
+        return math.gcd(geom.block_rows, self.rows, self.cols)
+
+
+def default_tiling(geom: Geometry, dtype) -> Tiling:
+    """The measured tiling for inputs of `dtype` and the geometry's head_dim."""
+    rows, cols, warps, stages = _FAST if jnp.dtype(dtype).itemsize == 2 else _EXACT
+    shrink = max(1, next_pow2(geom.head_dim) // _BASE_HEAD_DIM)
+    return Tiling(max(_MIN_SIDE, rows // shrink), max(_MIN_SIDE, cols // shrink), warps, stages)
