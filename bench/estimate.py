@@ -1,0 +1,104 @@
+"""Times the whole `xattn_estimate` (block sums and mask) on the GPU against its floor.
+
+    python -m bench.estimate [--cases NAME,...|all] [--json PATH] [--compare-original PATH]
+
+bf16, Hq = 32, D = 128, stride 8, random data. Every row reports the median time, the
+floor (strided-product FLOPs at the measured 753 TFLOP/s), their ratio and the extra GPU
+memory of one call (outputs plus XLA temporaries, beyond the inputs). With
+`--compare-original PATH`, the original mit-han-lab/x-attention estimate from a checkout
+at PATH is timed on the same inputs in the same run (see bench/original.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.common import (floor_ms, jax_extra_mib, log, markdown_table, record,  # noqa: E402
+                          strided_flops, time_ms, write_json)
+from xattn_jax import xattn_estimate  # noqa: E402
+
+HEADS, HEAD_DIM, STRIDE = 32, 128, 8
+BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _cases() -> dict[str, tuple[int, int, int, int, bool]]:
+    """name -> (Hkv, length, block_size, causal, reps)."""
+    cases = {f"noncausal-64k-b{b}": (HEADS, 65536, b, False, 10) for b in BLOCK_SIZES}
+    cases.update({
+        "causal-32k": (HEADS, 32768, 128, True, 20),
+        "causal-64k": (HEADS, 65536, 128, True, 10),
+        "causal-128k": (HEADS, 131072, 128, True, 5),
+        "causal-1m": (HEADS, 1 << 20, 128, True, 2),
+        "gqa-64k-causal": (8, 65536, 128, True, 10),
+    })
+    for length, name in ((16384, "16k"), (32768, "32k")):  # the seed's sweep; 64K is above
+        cases.update({f"noncausal-{name}-b{b}": (HEADS, length, b, False, 20)
+                      for b in BLOCK_SIZES})
+    return cases
+
+
+CASES = _cases()
+
+
+def run_case(name: str, original=None) -> list[dict]:
+    kv_heads, length, block_size, causal, reps = CASES[name]
+    keys = jax.random.split(jax.random.PRNGKey(len(name)), 2)
+    q = jax.random.normal(keys[0], (1, HEADS, length, HEAD_DIM), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, kv_heads, length, HEAD_DIM), jnp.bfloat16)
+
+    def fn(q, k):
+        return xattn_estimate(q, k, block_size=block_size, stride=STRIDE, causal=causal,
+                              impl="pallas")
+
+    floor = floor_ms(strided_flops(HEADS, length, length, STRIDE, HEAD_DIM, causal))
+    ms = time_ms(fn, [(q, k)], warmup=2, reps=reps)
+    rows = [record(name, "xattn-jax", ms, floor, jax_extra_mib(fn, q, k))]
+    log(f"{name}: {ms:.3f} ms, {ms / floor:.2f} x floor, {rows[0]['extra_mib']:.0f} MiB")
+    if original is not None:
+        try:
+            orig_ms, orig_mib = original.time_estimate(q, k, block_size=block_size,
+                                                       stride=STRIDE, causal=causal, reps=reps)
+        except original.Unsupported as why:
+            log(f"{name}: original skipped ({why})")
+        else:
+            rows.append(record(name, "original", orig_ms, floor, orig_mib))
+            log(f"{name}: original {orig_ms:.3f} ms, {orig_mib:.0f} MiB")
+    del q, k
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="all",
+                        help="comma-separated names, or 'all'; names: " + ", ".join(CASES))
+    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--compare-original", metavar="PATH",
+                        help="a checkout of mit-han-lab/x-attention to time side by side")
+    args = parser.parse_args(argv)
+    names = list(CASES) if args.cases == "all" else args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    original = None
+    if args.compare_original:
+        from bench import original as original_module
+        original_module.load(args.compare_original)
+        original = original_module
+    records = []
+    for i, name in enumerate(names):
+        log(f"[{i + 1}/{len(names)}] {name}")
+        records += run_case(name, original)
+    if args.json:
+        write_json(args.json, records)
+    print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
+    print(markdown_table(records))
+
+
+if __name__ == "__main__":
+    main()

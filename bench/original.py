@@ -1,0 +1,95 @@
+"""Times the original mit-han-lab/x-attention estimate from a user's checkout.
+
+Nothing of the original is vendored: `load(PATH)` imports `xattn.src.Xattention` from the
+checkout at run time. Two adjustments, both outside its files:
+- its module imports `block_sparse_attn` (the sparse attention, not the estimate); when
+  that package is missing an empty stand-in module is registered so the import succeeds;
+- its estimate turns its Triton path off on any GPU whose name lacks "100" (the H200
+  included); we time the Triton path, as ../shared/anchors/H200.md did, by letting it
+  read a device name that contains "100" during the call.
+It takes torch tensors with Hq == Hkv, so GQA keys are repeated per query head first, as
+its users do; that copy is part of its time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import types
+
+_module = None
+
+
+class Unsupported(Exception):
+    """The original cannot run this case."""
+
+
+def load(path: str) -> None:
+    global _module
+    sys.path.insert(0, path)
+    try:
+        import block_sparse_attn  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("block_sparse_attn")
+        stand_in.block_sparse_attn_func = None
+        sys.modules["block_sparse_attn"] = stand_in
+    import xattn.src.Xattention as module
+
+    _module = module
+
+
+@contextlib.contextmanager
+def _triton_path_on():
+    import torch
+
+    real = torch.cuda.get_device_properties
+
+    def named_100(device):
+        props = real(device)
+        return types.SimpleNamespace(name=f"{props.name} (read as 100)")
+
+    torch.cuda.get_device_properties = named_100
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_properties = real
+
+
+def time_estimate(q, k, *, block_size: int, stride: int, causal: bool,
+                  reps: int) -> tuple[float, float]:
+    """Median ms and peak extra MiB of the original estimate on JAX arrays q, k."""
+    import torch
+
+    if _module is None:
+        raise RuntimeError("call load(PATH) first")
+    q_t = torch.from_dlpack(q)
+    k_t = torch.from_dlpack(k)
+    group = q_t.shape[1] // k_t.shape[1]
+    chunk = min(16384, q_t.shape[2])
+
+    def call():
+        keys = k_t.repeat_interleave(group, dim=1) if group > 1 else k_t
+        return _module.xattn_estimate(q_t, keys, block_size=block_size, stride=stride,
+                                      threshold=0.9, chunk_size=chunk, causal=causal,
+                                      select_mode="inverse", use_triton=True)
+
+    with _triton_path_on():
+        try:
+            for _ in range(2):
+                call()
+        except (AssertionError, RuntimeError) as why:
+            raise Unsupported(str(why).splitlines()[0] if str(why) else type(why).__name__)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return statistics.median(times), extra
