@@ -1,0 +1,52 @@
+"""Plots time against block size from `bench.estimate --json` records, ours and the original's.
+
+    python -m bench.plot_sweep RESULTS.json OUT.png
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+_CASE = re.compile(r"noncausal-(\d+k)-b(\d+)$")
+
+
+def main(argv=None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        sys.exit("usage: python -m bench.plot_sweep RESULTS.json OUT.png")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(args[0]) as f:
+        records = json.load(f)
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in records:
+        match = _CASE.match(r["case"])
+        if match:
+            series.setdefault((r["impl"], match[1]), []).append((int(match[2]), r["ms"]))
+    if not series:
+        sys.exit(f"{args[0]} has no noncausal-<length>-b<block> records")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (impl, length), points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points],
+                marker="o" if impl == "xattn-jax" else "s",
+                linestyle="-" if impl == "xattn-jax" else "--", label=f"{impl}, {length}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("estimate time (ms)")
+    ax.set_title(f"Non-causal estimate vs block size, {records[0]['gpu']}, bf16, "
+                 f"Hq=32, D=128, S=8")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args[1], dpi=120)
+
+
+if __name__ == "__main__":
+    main()
