@@ -114,9 +114,12 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       ceil(Lk/block_size)]`. Each full query block's row of block_sums sums to
       block_size / stride.
 
-    NaN or inf in q or k propagate: every softmax row that sees one becomes NaN, so the
-    block sums of its query block are NaN, and the mask of such a row keeps every block it
-    may attend to (dense attention) instead of dropping blocks on garbage.
+    Non-finite inputs: a NaN in q or k, or an inf in q, makes every softmax row that sees
+    it NaN, so the block sums of its query block are NaN, and the mask of such a row keeps
+    every block it may attend to (dense attention) instead of dropping blocks on garbage.
+    An inf in k gives the rows that see it a score of +inf (the row becomes NaN, as above)
+    or -inf (that key gets weight 0, like a masked key; the row stays finite), by the sign
+    of the matching q entry.
     """
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     t = threshold_per_head(threshold, geom.q_heads)

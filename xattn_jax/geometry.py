@@ -136,20 +136,20 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
     """Returns the threshold as float32 `[Hq]`, checking it lies in (0, 1].
 
     A float applies to every query head; an array must hold one value per query head.
-    Values inside a trace (a threshold passed through an outer jit) cannot be checked.
+    Python floats and numpy arrays are checked on the host. A jax.Array is checked for its
+    shape only: reading its values would wait for the device (or is impossible inside a
+    trace); its values are the caller's to keep in (0, 1].
     """
     if isinstance(threshold, bool):
         raise ValueError(f"threshold must be a float or an array of floats, got {threshold!r}")
-    t = jnp.asarray(threshold, jnp.float32) if not isinstance(threshold, jax.core.Tracer) \
-        else threshold.astype(jnp.float32)
+    on_host = not isinstance(threshold, jax.Array)
+    t = np.asarray(threshold, np.float32) if on_host else threshold.astype(jnp.float32)
     if t.ndim == 0:
-        t = jnp.broadcast_to(t, (q_heads,))
+        t = jnp.broadcast_to(t, (q_heads,)) if not on_host else np.broadcast_to(t, (q_heads,))
     elif t.shape != (q_heads,):
         raise ValueError(
             f"threshold must be a float or have one value per query head, shape ({q_heads},); "
             f"got shape {t.shape}")
-    if not isinstance(t, jax.core.Tracer):
-        values = np.asarray(t)
-        if not np.all((values > 0) & (values <= 1)):
-            raise ValueError(f"threshold must lie in (0, 1], got {values}")
-    return t
+    if on_host and not np.all((t > 0) & (t <= 1)):
+        raise ValueError(f"threshold must lie in (0, 1], got {t}")
+    return jnp.asarray(t)

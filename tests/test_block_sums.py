@@ -1,0 +1,299 @@
+"""ESTIMATE.md sections 1-3: strided scores and block sums, every implementation against
+the float64 numpy reference (and the Pallas kernels against the JAX reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import np_reference as npr
+from xattn_jax.geometry import Geometry, check_qk
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+# float32: relative to the largest reference block sum; 1e-5 on CPU (the contract), a
+# little looser on a GPU (approximate exp2, other summation orders)
+GPU_SLACK = 1.0 if jax.default_backend() == "cpu" else 5.0
+F32_RTOL = 1e-5 * GPU_SLACK
+LOW_RTOL = 2e-3  # bfloat16/float16 inputs, against float64 on the same rounded inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+    stride: int
+    block_size: int
+    causal: bool
+    dtype: object = F32
+    tile: int | tuple = 16
+    norm: float = 1.0
+
+    def geom(self) -> Geometry:
+        return Geometry(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
+                        self.head_dim, self.stride, self.block_size)
+
+    def inputs(self, rand):
+        return rand.qk(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
+                       self.head_dim, stride=self.stride, dtype=self.dtype)
+
+    def expected(self, q, k):
+        return npr.block_sums(q, k, stride=self.stride, block_size=self.block_size,
+                              causal=self.causal, norm=self.norm)
+
+    @property
+    def rtol(self) -> float:
+        return F32_RTOL if self.dtype == F32 else LOW_RTOL
+
+
+# block_rows = block_size / stride, compared with the (reshaped) tile of the Pallas kernel.
+CASES = [
+    # odd length, GQA 2:1, block (8 rows) smaller than the tile (16)
+    Case("c131_s8_bs64_gqa1", 1, 2, 1, 131, 131, 16, 8, 64, True),
+    # Lq < Lk non-causal with any lengths, GQA 4:2, block_size 12 (3 rows, not a power of 2)
+    Case("nc37x131_s4_bs12_gqa2", 1, 4, 2, 37, 131, 32, 4, 12, False),
+    # block (16 rows) equal to the tile, length 300 (not a multiple of the block)
+    Case("c300_s8_bs128_eq_tile", 1, 4, 2, 300, 300, 16, 8, 128, True),
+    # block (32 rows) larger than the tile (16)
+    Case("nc300_s4_bs128_gt_tile", 1, 2, 2, 300, 300, 16, 4, 128, False),
+    # block_size 48 with stride 8 (6 rows), causal Lq < Lk (Lk - Lq = 2 blocks), GQA 4:1
+    Case("c204x300_s8_bs48_gqa4", 1, 4, 1, 204, 300, 16, 8, 48, True),
+    # stride 1 (plain attention), tile 32
+    Case("c100_s1_bs16", 1, 2, 1, 100, 100, 16, 1, 16, True, tile=32),
+    # stride 16, bfloat16, length not a multiple of the stride
+    Case("nc257_s16_bs64_bf16", 1, 2, 1, 257, 257, 32, 16, 64, False, BF16),
+    # bfloat16 causal with Lq < Lk and GQA 4:2
+    Case("c37x101_s8_bs32_bf16", 1, 4, 2, 37, 101, 16, 8, 32, True, BF16),
+    # float16
+    Case("c131_s4_bs16_f16", 1, 2, 1, 131, 131, 16, 4, 16, True, F16),
+    # bfloat16 non-causal, GQA 4:1, tile 32
+    Case("nc128x256_s8_bs64_bf16", 1, 4, 1, 128, 256, 32, 8, 64, False, BF16, tile=32),
+    # batch 2
+    Case("c200_b2_s8_bs64", 2, 2, 2, 200, 200, 16, 8, 64, True, tile=32),
+    # one query token, shorter than a stride group; block of one reshaped row
+    Case("nc1x5_s4_bs4", 1, 1, 1, 1, 5, 16, 4, 4, False),
+    # Lq = Lk = 130: the last stride group half padding
+    Case("c130_s8_bs16", 1, 2, 1, 130, 130, 16, 8, 16, True),
+    # causal Lq < Lk by one block of 256 (32 rows, larger than the tile of 16): only 6 real
+    # rows, so the second row tile is all padding
+    Case("c44x300_s8_bs256_gt_tile", 1, 2, 2, 44, 300, 16, 8, 256, True),
+    # block_size 12 with stride 4 causal, a softmax temperature, head_dim 24 (not a power
+    # of two: the kernel masks its padded columns)
+    Case("c61_s4_bs12_norm2_d24", 1, 2, 2, 61, 61, 24, 4, 12, True, norm=2.0),
+]
+CASE_IDS = [c.id for c in CASES]
+
+
+def _run(impl, case: Case, q, k, **kw):
+    return impl.block_sums(q, k, case.geom(), causal=case.causal, norm=case.norm,
+                           tile=kw.pop("tile", case.tile), **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_block_sums_match_float64_reference(impl, reference_impl, case, rand):
+    q, k = case.inputs(rand)
+    got = _run(impl, case, q, k)
+    want = case.expected(q, k)
+    qb, kb = -(-case.q_len // case.block_size), -(-case.k_len // case.block_size)
+    assert got.shape == (case.batch, case.q_heads, qb, kb), f"{rand}"
+    assert np.all(np.isfinite(got)), f"{rand}: non-finite block sums"
+    err = npr.rel_err(got, want)
+    assert err <= case.rtol, f"{impl} {case.id} {rand}: relative error {err:.3g} > {case.rtol}"
+    if impl.pallas:  # the kernel against the JAX reference on the same inputs
+        want32 = reference_impl.block_sums(q, k, case.geom(), causal=case.causal,
+                                           norm=case.norm)
+        err32 = npr.rel_err(got, want32)
+        assert err32 <= case.rtol, f"{impl} vs reference {case.id} {rand}: {err32:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_row_sums_count_real_rows(impl, case, rand):
+    """Each softmax row sums to 1: a full query block's row sums to block_size / stride,
+    the partial last block to the number of its reshaped rows holding a real token."""
+    q, k = case.inputs(rand)
+    got = _run(impl, case, q, k).astype(np.float64)
+    want = npr.real_rows_per_block(case.q_len, case.stride, case.block_size)
+    rows = got.sum(axis=-1)
+    np.testing.assert_allclose(rows, np.broadcast_to(want, rows.shape), rtol=1e-5,
+                               err_msg=f"{impl} {case.id} {rand}")
+    assert want[0] == min(case.block_size // case.stride, -(-case.q_len // case.stride))
+    if case.causal:  # nothing after the diagonal
+        qb, kb = got.shape[-2:]
+        after = np.arange(kb)[None, :] > np.arange(qb)[:, None] + (kb - qb)
+        assert np.all(got[..., after] == 0), f"{impl} {case.id} {rand}: mass after diagonal"
+
+
+# --- padding never changes a result ----------------------------------------------------
+
+TILE_CASES = [CASES[4], CASES[1]]  # causal bs48 (Lq < Lk), non-causal bs12 GQA
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=[c.id for c in TILE_CASES])
+def test_pallas_tile_size_does_not_change_result(pallas_impl, case, rand):
+    """The kernel pads to whole tiles: tiles of 16, 32 and 64 (and non-square ones where
+    the kernel takes them) give the same block sums to float32 rounding."""
+    q, k = case.inputs(rand)
+    tiles = [16, 32, 64] if case is CASES[4] else [16, 32]
+    results = {t: _run(pallas_impl, case, q, k, tile=t) for t in tiles}
+    want = case.expected(q, k)
+    for t, got in results.items():
+        assert npr.rel_err(got, want) <= F32_RTOL, f"tile {t} vs float64 {rand}"
+        err = npr.rel_err(got, results[16])
+        assert err <= 2e-6 * GPU_SLACK, f"tile {t} vs tile 16: {err:.3g} {rand}"
+
+
+@pytest.mark.parametrize("tile", [(16, 32), (32, 16)], ids=["16x32", "32x16"])
+def test_pallas_non_square_tiles(pallas_impl, tile, rand):
+    case = CASES[4]
+    q, k = case.inputs(rand)
+    got = _run(pallas_impl, case, q, k, tile=tile)
+    err = npr.rel_err(got, case.expected(q, k))
+    assert err <= F32_RTOL, f"tile {tile}: {err:.3g} {rand}"
+
+
+PAD_CASES = [CASES[12], CASES[1]]  # c130 (-> 136), nc37x131 s4 (-> 40 x 132)
+
+
+@pytest.mark.parametrize("case", PAD_CASES, ids=[c.id for c in PAD_CASES])
+def test_explicit_zero_padding_to_stride_changes_nothing(impl, case, rand):
+    """Zero tokens appended up to a whole stride group are exactly what a partly padded
+    group reads: the block sums must not change."""
+    q, k = case.inputs(rand)
+    s = case.stride
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, -case.q_len % s), (0, 0)))
+    kp = jnp.pad(k, ((0, 0), (0, 0), (0, -case.k_len % s), (0, 0)))
+    padded = dataclasses.replace(case, q_len=qp.shape[2], k_len=kp.shape[2])
+    assert padded.q_len != case.q_len or padded.k_len != case.k_len
+    got = _run(impl, case, q, k)
+    got_padded = _run(impl, padded, qp, kp)
+    assert got.shape == got_padded.shape
+    err = npr.rel_err(got_padded, got)
+    assert err <= 1e-6 * GPU_SLACK, \
+        f"{impl} {case.id} {rand}: explicit padding changed sums by {err:.3g}"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_padded_query_rows_add_nothing(impl, causal, rand):
+    """Causal Lq = Lk = 131, block 64, stride 8: the last query block holds one real
+    reshaped row (tokens 128..130, which sees every key) and 7 padded rows. It must equal
+    a call (causal, or non-causal: the row sees every key either way) with only those 3
+    query tokens, whose single block is one real row and 7 padded rows too."""
+    case = CASES[0]  # c131_s8_bs64_gqa1, causal
+    q, k = case.inputs(rand)
+    full = _run(impl, case, q, k)
+    tail = dataclasses.replace(case, q_len=3, causal=causal)
+    last = _run(impl, tail, q[:, :, 128:], k)
+    assert full.shape[-2] == 3 and last.shape[-2] == 1
+    np.testing.assert_allclose(last[..., 0, :].sum(-1), 1.0, rtol=1e-5, err_msg=str(rand))
+    np.testing.assert_allclose(full[..., 2, :], last[..., 0, :], rtol=1e-5, atol=1e-7,
+                               err_msg=f"{impl} causal={causal} {rand}")
+
+
+# --- hierarchical sums -----------------------------------------------------------------
+
+HIER = [
+    # causal Lq < Lk (Lk - Lq = 128, a multiple of every block size used)
+    (Case("hier_c172x300_s8", 1, 2, 1, 172, 300, 16, 8, 32, True), [4]),
+    # non-causal, block 12 at stride 4 and 3 x 12 = 36 (9 rows: not a power of two)
+    (Case("hier_nc37x300_s4", 1, 2, 2, 37, 300, 16, 4, 12, False), [3]),
+]
+
+
+@pytest.mark.parametrize("case,factors", HIER, ids=[c.id for c, _ in HIER])
+def test_hierarchical_block_sums(impl, case, factors, rand):
+    """Block sums at m * block_size are the m x m tile sums of those at block_size."""
+    q, k = case.inputs(rand)
+    small = _run(impl, case, q, k)
+    for m in factors:
+        big_case = dataclasses.replace(case, block_size=m * case.block_size)
+        big = _run(impl, big_case, q, k)
+        want = npr.tile_sums(small, m)
+        assert big.shape == want.shape, f"m={m}: {big.shape} vs {want.shape}"
+        err = npr.rel_err(big, want)
+        assert err <= 2e-6 * GPU_SLACK, \
+            f"{impl} m={m} {rand}: hierarchical sums off by {err:.3g}"
+        assert npr.rel_err(big, big_case.expected(q, k)) <= F32_RTOL, f"m={m} {rand}"
+
+
+# --- section 1 alone -------------------------------------------------------------------
+
+SCORE_CASES = [
+    Case("s8_gqa_odd", 1, 4, 2, 37, 131, 16, 8, 8, False),
+    Case("s4_bf16_norm2", 1, 2, 1, 61, 61, 32, 4, 4, False, BF16, norm=2.0),
+    Case("s1_f16_d20", 1, 2, 2, 20, 45, 20, 1, 1, False, F16),
+]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=[c.id for c in SCORE_CASES])
+def test_strided_scores(impl, case, rand):
+    q, k = case.inputs(rand)
+    got = impl.scores(q, k, case.geom(), norm=case.norm, tile=16)
+    rows, cols = -(-case.q_len // case.stride), -(-case.k_len // case.stride)
+    want = npr.strided_scores(q, k, stride=case.stride, norm=case.norm)
+    assert got.shape == want.shape == (case.batch, case.q_heads, rows, cols)
+    err = npr.rel_err(got, want)
+    assert err <= (F32_RTOL if case.dtype == F32 else LOW_RTOL), f"{impl} {case.id} {rand}: {err}"
+
+
+def test_strided_scores_by_hand(rand):
+    """Section 1's formula for one entry, written out (stride 2, D 1): row 0 reads
+    q[1], q[0] against k[2j], k[2j+1]."""
+    q = rand.normal((1, 1, 4, 1))
+    k = rand.normal((1, 1, 6, 1))
+    a = npr.strided_scores(q, k, stride=2)
+    qn, kn = np.asarray(q, np.float64)[0, 0, :, 0], np.asarray(k, np.float64)[0, 0, :, 0]
+    for i in range(2):
+        for j in range(3):
+            want = (qn[2 * i + 1] * kn[2 * j] + qn[2 * i] * kn[2 * j + 1]) / 2.0
+            assert a[0, 0, i, j] == pytest.approx(want, rel=1e-12), f"{rand} ({i},{j})"
+
+
+# --- random shapes ---------------------------------------------------------------------
+
+@st.composite
+def shapes(draw):
+    stride = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    block_size = stride * draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    causal = draw(st.booleans())
+    k_len = draw(st.integers(1, 300 if stride > 1 else 96))
+    if causal:
+        q_len = k_len - block_size * draw(st.integers(0, (k_len - 1) // block_size))
+    else:
+        q_len = draw(st.integers(1, k_len))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    q_heads = kv_heads * draw(st.sampled_from([1, 2]))
+    tile = draw(st.sampled_from([16, 32]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return Case("hyp", 1, q_heads, kv_heads, q_len, k_len, 16, stride, block_size, causal,
+                tile=tile), seed
+
+
+def test_random_shapes_against_float64(impl, rand_factory):
+
+    @settings(max_examples=4 if impl.pallas else 8, deadline=None, derandomize=False,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(shapes())
+    def check(drawn):
+        case, seed = drawn
+        rand = rand_factory(seed)
+        q, k = case.inputs(rand)
+        check_qk(q, k, stride=case.stride, block_size=case.block_size, causal=case.causal)
+        got = _run(impl, case, q, k)
+        err = npr.rel_err(got, case.expected(q, k))
+        assert err <= F32_RTOL, f"{impl} {case} {rand}: {err:.3g}"
+        rows = got.astype(np.float64).sum(-1)
+        want = npr.real_rows_per_block(case.q_len, case.stride, case.block_size)
+        np.testing.assert_allclose(rows, np.broadcast_to(want, rows.shape), rtol=1e-5,
+                                   err_msg=f"{case} {rand}")
+
+    check()

@@ -1,0 +1,189 @@
+"""xattn_torch_bridge.xattn_estimate: the same results as xattn_jax.xattn_estimate, for
+torch tensors, compiled once per shape.
+
+The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
+(`pytest -m gpu tests/test_bridge_estimate.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import xattn_jax
+from xattn_jax import api
+
+import xattn_torch_bridge as bridge
+
+needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
+                                reason="needs torch CUDA and JAX's CUDA backend")
+
+# (B, Hq, Hkv, Lq, Lk, D), keyword arguments; test_bridge_reference.py uses them too
+CASES = {
+    "causal-gqa": ((1, 4, 2, 256, 256, 32), dict(block_size=32, stride=8, causal=True)),
+    "causal-chunk": ((2, 2, 2, 96, 224, 16), dict(block_size=64, stride=8, causal=True)),
+    "ragged-noncausal": ((1, 2, 1, 100, 200, 16),
+                         dict(block_size=16, stride=4, causal=False, keep_sink=True,
+                              keep_recent=True, threshold=0.8)),
+}
+
+
+def qk(rand, shape, dtype=torch.float32, device="cpu"):
+    """Random q `[B, Hq, Lq, D]` and k `[B, Hkv, Lk, D]` with standard deviation 2 (scores
+    of standard deviation 4 / sqrt(stride): peaked, not degenerate softmax rows)."""
+    b, hq, hkv, lq, lk, d = shape
+    q = torch.from_numpy(rand.rng.standard_normal((b, hq, lq, d)) * 2.0).to(dtype)
+    k = torch.from_numpy(rand.rng.standard_normal((b, hkv, lk, d)) * 2.0).to(dtype)
+    return q.to(device), k.to(device)
+
+
+def jax_of(t: torch.Tensor) -> jax.Array:
+    """An independent JAX copy of a torch tensor, through numpy, committed to the JAX
+    device of the tensor's device as the bridge's arrays are (so both calls compute in the
+    same place and share one compiled function: jit compiles committed and uncommitted
+    arguments separately)."""
+    values = t.cpu().float().numpy().astype(jnp.dtype(str(t.dtype).removeprefix("torch.")))
+    if t.device.type == "cpu":
+        return jax.device_put(values, jax.devices("cpu")[0])
+    return jax.device_put(values, next(d for d in jax.devices("cuda")
+                                       if d.local_hardware_id == t.device.index))
+
+
+def skip_pallas_off_cpu_backend():
+    """Pallas on CPU tensors means interpret mode, which xattn_jax picks only where JAX's
+    default backend is the CPU (the gpu tests run the kernels on CUDA tensors)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("impl='pallas' on CPU tensors needs JAX's CPU backend")
+
+
+def assert_same(bridged, plain, rand):
+    (sums, mask), (sums_j, mask_j) = bridged, plain
+    assert isinstance(sums, torch.Tensor) and sums.dtype == torch.float32
+    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+    np.testing.assert_array_equal(sums.cpu().numpy(), np.asarray(sums_j), err_msg=str(rand))
+    np.testing.assert_array_equal(mask.cpu().numpy(), np.asarray(mask_j), err_msg=str(rand))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_xattn_jax_reference(case, rand):
+    shape, kwargs = CASES[case]
+    q, k = qk(rand, shape)
+    bridged = bridge.xattn_estimate(q, k, impl="reference", **kwargs)
+    assert bridged[0].device.type == "cpu"
+    assert_same(bridged, xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="reference",
+                                                  **kwargs), rand)
+
+
+def test_matches_xattn_jax_pallas_bf16(rand):
+    """Pallas kernels (interpret mode off a GPU) through the bridge, bfloat16 inputs."""
+    skip_pallas_off_cpu_backend()
+    shape, kwargs = CASES["causal-gqa"]
+    q, k = qk(rand, shape, torch.bfloat16)
+    assert_same(bridge.xattn_estimate(q, k, impl="pallas", threshold=0.7, **kwargs),
+                xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="pallas", threshold=0.7,
+                                         **kwargs), rand)
+
+
+def test_compiled_once_per_shape(rand):
+    shape = (1, 2, 1, 64, 128, 16)
+    kwargs = dict(block_size=32, stride=8, causal=True, impl="reference")
+    q, k = qk(rand, shape)
+    before = api._estimate._cache_size()
+    first = bridge.xattn_estimate(q, k, **kwargs)
+    assert api._estimate._cache_size() == before + 1
+    for threshold in (0.5, 0.95, [0.6, 0.9]):  # thresholds are data: no recompilation
+        q, k = qk(rand, shape)
+        bridge.xattn_estimate(q, k, threshold=threshold, **kwargs)
+    assert api._estimate._cache_size() == before + 1
+    assert first[0].shape == (1, 2, 2, 4)
+
+
+def test_threshold_tensor_equals_list(rand):
+    shape, kwargs = CASES["causal-gqa"]
+    q, k = qk(rand, shape)
+    per_head = [0.5, 0.9, 0.7, 0.99]
+    a = bridge.xattn_estimate(q, k, threshold=torch.tensor(per_head), impl="reference", **kwargs)
+    b = bridge.xattn_estimate(q, k, threshold=per_head, impl="reference", **kwargs)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_grad_inputs_are_detached(rand):
+    shape, kwargs = CASES["causal-gqa"]
+    q, k = qk(rand, shape)
+    sums, mask = bridge.xattn_estimate(q.requires_grad_(), k, impl="reference", **kwargs)
+    assert not sums.requires_grad
+    assert torch.equal(sums, bridge.xattn_estimate(q.detach(), k, impl="reference",
+                                                   **kwargs)[0])
+
+
+def test_non_contiguous_needs_copy(rand):
+    shape, kwargs = CASES["causal-gqa"]
+    q, k = qk(rand, shape)
+    q_t = q.transpose(2, 3).contiguous().transpose(2, 3)  # same values, strided layout
+    with pytest.raises(ValueError, match=r"q is not contiguous.*copy=True"):
+        bridge.xattn_estimate(q_t, k, impl="reference", **kwargs)
+    copied = bridge.xattn_estimate(q_t, k, impl="reference", copy=True, **kwargs)
+    direct = bridge.xattn_estimate(q, k, impl="reference", **kwargs)
+    assert torch.equal(copied[0], direct[0]) and torch.equal(copied[1], direct[1])
+
+
+def test_argument_errors_name_the_argument(rand):
+    shape, kwargs = CASES["causal-gqa"]
+    q, k = qk(rand, shape)
+    with pytest.raises(ValueError, match="k must be on the CPU or a CUDA device"):
+        bridge.xattn_estimate(q, k.to("meta"), **kwargs)
+    with pytest.raises(ValueError, match="block_size must be a positive multiple"):
+        bridge.xattn_estimate(q, k, block_size=12, stride=8)
+    with pytest.raises(ValueError, match="threshold must lie in"):
+        bridge.xattn_estimate(q, k, threshold=1.5, **kwargs)
+
+
+def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
+    """CPU tensors where JAX's default backend is a GPU (simulated off a GPU) run on JAX's
+    CPU device: "auto" means the reference there, and "pallas" (which xattn_jax would
+    compile for the GPU) is refused."""
+    if jax.default_backend() == "cpu":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    shape, kwargs = CASES["causal-gqa"]
+    q, k = qk(rand, shape)
+    sums, mask = bridge.xattn_estimate(q, k, **kwargs)
+    assert sums.device.type == "cpu"
+    assert_same((sums, mask), xattn_jax.xattn_estimate(jax_of(q), jax_of(k),
+                                                       impl="reference", **kwargs), rand)
+    with pytest.raises(ValueError, match="impl='pallas' needs q and k on a CUDA device"):
+        bridge.xattn_estimate(q, k, impl="pallas", **kwargs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestCuda:
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+    def test_matches_xattn_jax_on_gpu(self, dtype, rand):
+        shape = (1, 8, 2, 1024, 2048, 64)
+        kwargs = dict(block_size=128, stride=8, causal=True, threshold=0.9)
+        q, k = qk(rand, shape, dtype, device="cuda")
+        sums, mask = bridge.xattn_estimate(q, k, **kwargs)
+        assert sums.device == q.device and mask.device == q.device
+        assert_same((sums, mask), xattn_jax.xattn_estimate(jax_of(q), jax_of(k), **kwargs),
+                    rand)
+
+    def test_inputs_written_on_a_side_stream(self, rand):
+        """q and k written on a side stream after a long sleep: the estimate sees them."""
+        shape = (1, 4, 2, 512, 512, 64)
+        kwargs = dict(block_size=64, stride=8, causal=True)
+        q_src, k_src = qk(rand, shape, torch.bfloat16, device="cuda")
+        expected = xattn_jax.xattn_estimate(jax_of(q_src), jax_of(k_src), **kwargs)
+        bridge.xattn_estimate(q_src, k_src, **kwargs)  # compile
+        q, k = torch.zeros_like(q_src), torch.zeros_like(k_src)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1 << 29)
+            q.copy_(q_src)
+            k.copy_(k_src)
+            sums, mask = bridge.xattn_estimate(q, k, **kwargs)
+            sums, mask = sums.clone(), mask.clone()
+        side.synchronize()
+        assert_same((sums, mask), expected, rand)

@@ -1,0 +1,69 @@
+"""`xattn_jax.xattn_estimate` for torch tensors, over the zero-copy hand-off of `dlpack`.
+
+q and k go to JAX without a copy, with one stream-order step for both; the estimate runs
+where they live through `xattn_jax.xattn_estimate`, whose jitted function is compiled once
+per shape, dtype, device and static argument and reused after that; its two results come
+back as torch tensors without a copy, ordered before later work on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+import xattn_jax
+
+from xattn_torch_bridge.dlpack import jax_waits_for_torch, place_of, to_torch, view_in_jax
+
+
+def _detached(x):
+    return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+
+def _impl_for_cpu(impl: str) -> str:
+    """CPU tensors run on JAX's CPU device. Where JAX's default backend is a GPU, xattn_jax
+    would compile its Pallas kernels for the GPU, so "auto" means the reference there."""
+    if jax.default_backend() == "cpu":
+        return impl
+    if impl == "pallas":
+        raise ValueError(
+            "impl='pallas' needs q and k on a CUDA device when JAX's default backend is "
+            f"{jax.default_backend()!r}: move them to CUDA, or use impl='auto' or "
+            "'reference' for CPU tensors")
+    return "reference" if impl == "auto" else impl
+
+
+def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The XAttention estimate (ESTIMATE.md sections 1-4) of torch tensors.
+
+    Takes the keyword arguments of `xattn_jax.xattn_estimate` (block_size, stride,
+    threshold, causal, norm, keep_sink, keep_recent, impl) with the same defaults and
+    meaning, and returns its results as torch tensors. Differences:
+
+    Args:
+      q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, float32, bfloat16 or float16 torch
+        tensors, both on the CPU or both on one CUDA device. Tensors that require grad are
+        detached (the estimate has no gradient).
+      copy: False refuses a q or k that is not contiguous or not aligned (ValueError);
+        True copies both into fresh contiguous tensors first.
+      threshold: may also be a torch tensor of `Hq` values, read to the host (as
+        `xattn_jax` reads every threshold, to check it).
+      impl: for CPU tensors where JAX's default backend is a GPU, "auto" runs the
+        reference and "pallas" is refused.
+
+    Returns:
+      `(block_sums, mask)`: float32 and bool torch tensors `[B, Hq, ceil(Lq/block_size),
+      ceil(Lk/block_size)]` on q's device, sharing memory with JAX's results.
+    """
+    q, place = place_of(_detached(q), "q", copy)
+    k, k_place = place_of(_detached(k), "k", copy)
+    if k_place is not place:
+        raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
+    if isinstance(kwargs.get("threshold"), torch.Tensor):
+        kwargs["threshold"] = kwargs["threshold"].tolist()
+    if place.index is None:
+        kwargs["impl"] = _impl_for_cpu(kwargs.get("impl", "auto"))
+    jax_waits_for_torch(place)
+    sums, mask = xattn_jax.xattn_estimate(view_in_jax(q, place), view_in_jax(k, place),
+                                          **kwargs)
+    return to_torch(sums), to_torch(mask)
