@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 import xattn_jax  # noqa: E402
+from xattn_torch_bridge import dlpack  # noqa: E402
 
 from bench.common import log, today, versions  # noqa: E402
 
@@ -99,6 +100,13 @@ def main() -> int:
         return median
 
     measure("to_jax", lambda: bridge.to_jax(q), args.iters)
+    _, place = dlpack.place_of(q, "q", copy=False)
+    measure("  to_jax part: checks and device lookup",
+            lambda: dlpack.place_of(q, "q", copy=False), args.iters)
+    measure("  to_jax part: stream order (event record + wait)",
+            lambda: dlpack.jax_waits_for_torch(place), args.iters)
+    measure("  to_jax part: capsule and JAX view", lambda: dlpack.view_in_jax(q, place),
+            args.iters)
     measure("to_torch", lambda: bridge.to_torch(result), args.iters)
     handoff = measure("hand-off: to_torch(to_jax(t))",
                       lambda: bridge.to_torch(bridge.to_jax(q)), args.iters)

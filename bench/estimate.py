@@ -94,8 +94,8 @@ def main(argv=None) -> None:
     for i, name in enumerate(names):
         log(f"[{i + 1}/{len(names)}] {name}")
         records += run_case(name, original)
-    if args.json:
-        write_json(args.json, records)
+        if args.json:  # after every case, so a cut-short run keeps what it measured
+            write_json(args.json, records)
     print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
     print(markdown_table(records))
 

@@ -7,6 +7,7 @@ error names the argument and the rule it broke.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -136,20 +137,34 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
     """Returns the threshold as float32 `[Hq]`, checking it lies in (0, 1].
 
     A float applies to every query head; an array must hold one value per query head.
-    Python floats and numpy arrays are checked on the host. A jax.Array is checked for its
-    shape only: reading its values would wait for the device (or is impossible inside a
-    trace); its values are the caller's to keep in (0, 1].
+    Python floats and numpy arrays are checked on the host (and the device copy of a float
+    is reused across calls). A jax.Array is checked for its shape only: reading its values
+    would wait for the device (or is impossible inside a trace); its values are the
+    caller's to keep in (0, 1].
     """
     if isinstance(threshold, bool):
         raise ValueError(f"threshold must be a float or an array of floats, got {threshold!r}")
-    on_host = not isinstance(threshold, jax.Array)
-    t = np.asarray(threshold, np.float32) if on_host else threshold.astype(jnp.float32)
-    if t.ndim == 0:
-        t = jnp.broadcast_to(t, (q_heads,)) if not on_host else np.broadcast_to(t, (q_heads,))
-    elif t.shape != (q_heads,):
+    if isinstance(threshold, jax.Array):
+        t = threshold.astype(jnp.float32)
+        if t.ndim == 0:
+            return jnp.broadcast_to(t, (q_heads,))
+        _check_threshold_shape(t.shape, q_heads)
+        return t
+    t = np.asarray(threshold, np.float32)
+    if t.ndim:
+        _check_threshold_shape(t.shape, q_heads)
+    if not np.all((t > 0) & (t <= 1)):
+        raise ValueError(f"threshold must lie in (0, 1], got {t}")
+    return _device_threshold(tuple(np.broadcast_to(t, (q_heads,)).tolist()))
+
+
+def _check_threshold_shape(shape, q_heads: int) -> None:
+    if shape != (q_heads,):
         raise ValueError(
             f"threshold must be a float or have one value per query head, shape ({q_heads},); "
-            f"got shape {t.shape}")
-    if on_host and not np.all((t > 0) & (t <= 1)):
-        raise ValueError(f"threshold must lie in (0, 1], got {t}")
-    return jnp.asarray(t)
+            f"got shape {shape}")
+
+
+@functools.lru_cache(maxsize=64)
+def _device_threshold(values: tuple[float, ...]) -> jax.Array:
+    return jnp.asarray(values, jnp.float32)

@@ -178,8 +178,19 @@ def jax_waits_for_torch(place: Place) -> None:
     if place.jax_stream is None:
         return
     event = _event(place.index)
-    event.record(torch.cuda.current_stream(place.index))
+    event.record(_current_stream(place.index))
     event.wait(place.jax_stream_torch)
+
+
+def _current_stream(index: int) -> torch.cuda.Stream:
+    """torch's current stream on CUDA device `index`, its Python object cached by the raw
+    stream pointer (building a new one per call is a measurable part of a hand-off)."""
+    streams = _thread.__dict__.setdefault("streams", {})
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    stream = streams.get(key)
+    if stream is None:
+        stream = streams[key] = torch.cuda.current_stream(index)
+    return stream
 
 
 def view_in_jax(tensor: torch.Tensor, place: Place) -> jax.Array:
