@@ -45,9 +45,16 @@ def _triton_path_on():
 
     real = torch.cuda.get_device_properties
 
-    def named_100(device):
-        props = real(device)
-        return types.SimpleNamespace(name=f"{props.name} (read as 100)")
+    class Named100:  # the real properties, but a name containing "100"
+        def __init__(self, props):
+            self._props = props
+            self.name = f"{props.name} (read as 100)"
+
+        def __getattr__(self, attr):
+            return getattr(self._props, attr)
+
+    def named_100(device=None):
+        return Named100(real(device))
 
     torch.cuda.get_device_properties = named_100
     try:
@@ -78,7 +85,7 @@ def time_estimate(q, k, *, block_size: int, stride: int, causal: bool,
         try:
             for _ in range(2):
                 call()
-        except (AssertionError, RuntimeError) as why:
+        except Exception as why:  # noqa: BLE001 - any failure of the original skips the case
             raise Unsupported(str(why).splitlines()[0] if str(why) else type(why).__name__)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
