@@ -31,9 +31,11 @@ def main(argv=None) -> None:
     if not series:
         sys.exit(f"{args[0]} has no noncausal-<length>-b<block> records")
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (impl, length), points in sorted(series.items()):
+    lengths = sorted({length for _, length in series}, key=lambda n: int(n[:-1]))
+    colors = dict(zip(lengths, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for (impl, length), points in sorted(series.items()):  # color: length; line: impl
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points],
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=colors[length],
                 marker="o" if impl == "xattn-jax" else "s",
                 linestyle="-" if impl == "xattn-jax" else "--", label=f"{impl}, {length}")
     ax.set_xscale("log", base=2)
