@@ -37,7 +37,8 @@ def test_128k_causal_memory_beyond_inputs_and_outputs():
     stats = jax.jit(call).lower(q, q).compile().memory_analysis()
     blocks = 131072 // 128
     outputs = 32 * blocks * blocks * (4 + 1)  # float32 block sums + bool mask
-    assert stats.output_size_in_bytes == outputs
+    # XLA adds the output tuple's table of pointers (16 bytes here) to the outputs.
+    assert outputs <= stats.output_size_in_bytes < outputs + MiB
     assert stats.temp_size_in_bytes <= WORKSPACE_LIMIT, stats.temp_size_in_bytes / MiB
 
 
