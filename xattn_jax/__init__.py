@@ -1,10 +1,13 @@
 """xattn-jax: the XAttention block-sparse estimate as jit-compiled JAX with Pallas kernels.
 
 Public API: `xattn_estimate` (the whole estimate), and its stages `strided_scores`,
-`select_blocks`; `xattn_jax.reference` is the plain-JAX source of truth.
+`select_blocks`; `kv_block_scores` and `select_kv_blocks` (chunked prefill over a KV
+cache); `xattn_jax.reference` is the plain-JAX source of truth.
 """
 
 from xattn_jax.api import select_blocks, strided_scores, xattn_estimate
 from xattn_jax.geometry import Geometry
+from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
 
-__all__ = ["Geometry", "select_blocks", "strided_scores", "xattn_estimate"]
+__all__ = ["Geometry", "kv_block_scores", "select_blocks", "select_kv_blocks",
+           "strided_scores", "xattn_estimate"]

@@ -39,22 +39,25 @@ def strided_scores(q: jax.Array, k: jax.Array, geom: Geometry, norm: float) -> j
     return a.reshape(b, hq, lq // s, -1) * jnp.float32(geom.scale / norm)
 
 
-def visible(geom: Geometry, causal: bool) -> jax.Array:
-    """Section 2: bool `[q_rows, k_cols]`, which key columns each query row may see."""
+def visible(geom: Geometry, causal: bool, key_cols=None) -> jax.Array:
+    """Section 2: bool `[q_rows, k_cols]`, which key columns each query row may see.
+
+    key_cols: the columns holding real keys (a traced int allowed), default all.
+    """
     i = jnp.arange(geom.q_rows)[:, None]
     j = jnp.arange(geom.k_cols)[None, :]
-    if causal:
-        return j <= i + geom.row_offset
-    return jnp.ones((geom.q_rows, geom.k_cols), bool)
+    seen = j < (geom.k_cols if key_cols is None else key_cols)
+    return seen & (j <= i + geom.row_offset) if causal else seen
 
 
-def softmax_block_sums(scores: jax.Array, geom: Geometry, causal: bool) -> jax.Array:
+def softmax_block_sums(scores: jax.Array, geom: Geometry, causal: bool,
+                       key_cols=None) -> jax.Array:
     """Sections 2-3: row softmax over the visible columns, summed per block.
 
     scores: float32 `[B, Hq, q_rows, k_cols]`. Returns float32
     `[B, Hq, q_blocks, k_blocks]`; each full query block's row sums to block_size / S.
     """
-    p = jax.nn.softmax(jnp.where(visible(geom, causal), scores, -jnp.inf), axis=-1)
+    p = jax.nn.softmax(jnp.where(visible(geom, causal, key_cols), scores, -jnp.inf), axis=-1)
     n = geom.block_rows
     pad_rows = geom.q_blocks * n - geom.q_rows
     pad_cols = geom.k_blocks * n - geom.k_cols
@@ -78,6 +81,23 @@ def forced_and_allowed(q_blocks: int, k_blocks: int, *, causal: bool, keep_sink:
     return forced, allowed
 
 
+def take_descending(values: jax.Array, candidate: jax.Array, base: jax.Array,
+                    target: jax.Array) -> jax.Array:
+    """The threshold rule along the last axis: bool, the shape of `values`.
+
+    Candidates are taken in descending order of value (ties: lower index first) while
+    `base` + the value taken before them is below `target` (base and target broadcast
+    against values[..., :1]).
+    """
+    candidate = jnp.broadcast_to(candidate, values.shape)
+    order = jnp.argsort(-jnp.where(candidate, values, -1.0), axis=-1, stable=True)
+    ranked = jnp.take_along_axis(jnp.where(candidate, values, 0.0), order, axis=-1)
+    running = jnp.cumsum(ranked, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
+    take_ranked = jnp.take_along_axis(candidate, order, axis=-1) & (base + before < target)
+    return jnp.take_along_axis(take_ranked, jnp.argsort(order, axis=-1), axis=-1)
+
+
 def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
                   keep_sink: bool = False, keep_recent: bool = False) -> jax.Array:
     """Section 4: the smallest set of key blocks per row reaching `threshold` of the mass.
@@ -92,25 +112,21 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
     forced, allowed = forced_and_allowed(qb, kb, causal=causal, keep_sink=keep_sink,
                                          keep_recent=keep_recent)
     total = block_sums.sum(axis=-1, keepdims=True)
-    target = threshold[None, :, None, None] * total
     forced_mass = jnp.where(forced, block_sums, 0.0).sum(axis=-1, keepdims=True)
-    candidate = jnp.broadcast_to(allowed & ~forced, block_sums.shape)
-    key = jnp.where(candidate, block_sums, -1.0)
-    order = jnp.argsort(-key, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(jnp.where(candidate, block_sums, 0.0), order, axis=-1)
-    running = jnp.cumsum(ranked, axis=-1)
-    before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
-    take_ranked = jnp.take_along_axis(candidate, order, axis=-1) & (forced_mass + before < target)
-    take = jnp.zeros_like(take_ranked).at[
-        jnp.arange(block_sums.shape[0])[:, None, None, None],
-        jnp.arange(block_sums.shape[1])[None, :, None, None],
-        jnp.arange(qb)[None, None, :, None],
-        order].set(take_ranked)
-    mask = forced | take
-    return jnp.where(jnp.isfinite(total), mask, allowed)
+    take = take_descending(block_sums, allowed & ~forced, forced_mass,
+                           threshold[None, :, None, None] * total)
+    return jnp.where(jnp.isfinite(total), forced | take, allowed)
 
 
 def block_sums(q: jax.Array, k: jax.Array, geom: Geometry, *, causal: bool,
-               norm: float) -> jax.Array:
-    """Sections 1-3 for q `[B, Hq, Lq, D]`, k `[B, Hkv, Lk, D]`: float32 block sums."""
-    return softmax_block_sums(strided_scores(q, k, geom, norm), geom, causal)
+               norm: float, key_len=None) -> jax.Array:
+    """Sections 1-3 for q `[B, Hq, Lq, D]`, k `[B, Hkv, Lk, D]`: float32 block sums.
+
+    key_len: the keys in use when k is a buffer padded to a capacity (a traced int
+    allowed; default all): later tokens act as padding.
+    """
+    if key_len is None:
+        return softmax_block_sums(strided_scores(q, k, geom, norm), geom, causal)
+    k = jnp.where(jnp.arange(geom.k_len)[:, None] < key_len, k, 0)
+    key_cols = (key_len + geom.stride - 1) // geom.stride
+    return softmax_block_sums(strided_scores(q, k, geom, norm), geom, causal, key_cols)

@@ -30,8 +30,8 @@ from xattn_jax.pallas.tiling import Tiling, default_tiling
 LOG2_E = 1.4426950408889634
 
 
-def _block_sums_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, causal: bool, norm: float,
-                       tiling: Tiling):
+def _block_sums_kernel(q_ref, k_ref, key_len_ref, out_ref, *, geom: Geometry, causal: bool,
+                       norm: float, tiling: Tiling):
     rows, cols = tiling.rows, tiling.cols
     fine = tiling.fine(geom)
     per_block = geom.block_rows // fine
@@ -39,13 +39,15 @@ def _block_sums_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, causal: bool, n
     row0 = pl.program_id(2) * rows
     row_ids = row0 + jnp.arange(rows)
     row_real = row_ids < geom.q_rows
+    k_len = key_len_ref[0]  # real keys: geom.k_len, or fewer in a padded cache buffer
+    k_cols = (k_len + geom.stride - 1) // geom.stride
 
     if causal:
         last_row = jnp.minimum(row0 + rows, geom.q_rows) - 1
-        last_col = jnp.minimum(last_row + geom.row_offset, geom.k_cols - 1)
+        last_col = jnp.minimum(last_row + geom.row_offset, k_cols - 1)
         visible_tiles = last_col // cols + 1
     else:
-        visible_tiles = jnp.int32(pl.cdiv(geom.k_cols, cols))
+        visible_tiles = (k_cols + cols - 1) // cols
     # A row tile made only of padding sees nothing.
     visible_tiles = jax.lax.select(row0 < geom.q_rows, visible_tiles, jnp.int32(0))
     all_tiles = pl.cdiv(out_cols * fine, cols)
@@ -53,9 +55,9 @@ def _block_sums_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, causal: bool, n
     def masked_scores(col_tile):  # A * log2(e), -inf where not visible
         col0 = col_tile * cols
         a = score_tile(q_ref, k_ref, row0, col0, rows=rows, cols=cols, geom=geom,
-                       scale=geom.scale / norm * LOG2_E)
+                       scale=geom.scale / norm * LOG2_E, k_len=k_len)
         col_ids = col0 + jnp.arange(cols)
-        seen = (col_ids < geom.k_cols)[None, :]
+        seen = (col_ids < k_cols)[None, :]
         if causal:
             seen = seen & (col_ids[None, :] <= row_ids[:, None] + geom.row_offset)
         return jnp.where(seen, a, -jnp.inf)
@@ -98,14 +100,19 @@ def _block_sums_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, causal: bool, n
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "tiling", "interpret"))
 def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm: float,
-               tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
+               key_len: jax.Array | None = None, tiling: Tiling | None = None,
+               interpret: bool = False) -> jax.Array:
     """Pallas sections 1-3: float32 block sums `[B, Hq, ceil(Lq/bs), ceil(Lk/bs)]`.
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, same dtype (float32, bfloat16, float16).
-    `tiling` defaults to the measured `default_tiling`. Extra memory: the fine block sums
-    only, never the score matrix.
+    key_len: int32 `[1]`, the keys in use when k is a buffer padded to a capacity
+    (non-causal only; the default is all Lk): later keys are never visible, and one
+    compiled kernel serves every key_len. `tiling` defaults to the measured
+    `default_tiling`. Extra memory: the fine block sums only, never the score matrix.
     """
     tiling = tiling or default_tiling(geom, q.dtype)
+    if key_len is None:
+        key_len = jnp.full((1,), geom.k_len, jnp.int32)
     fine = tiling.fine(geom)
     per_block = geom.block_rows // fine
     out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
@@ -116,13 +123,13 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
     sums = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=qk_specs(geom),
+        in_specs=qk_specs(geom) + [pl.BlockSpec((1,), lambda *_: (0,))],
         out_specs=pl.BlockSpec((None, None) + out_shape[2:], lambda b, h, *_: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=tiling.num_stages),
         interpret=interpret,
-    )(q, k)
+    )(q, k, key_len.astype(jnp.int32).reshape(1))
     if per_block == 1:
         return sums
     b, h = sums.shape[:2]

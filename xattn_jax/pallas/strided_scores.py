@@ -42,12 +42,13 @@ def _load_tokens(ref, tokens: jax.Array, length: int, head_dim: int) -> jax.Arra
 
 
 def score_tile(q_ref, k_ref, row0, col0, *, rows: int, cols: int, geom: Geometry,
-               scale: float) -> jax.Array:
+               scale: float, k_len) -> jax.Array:
     """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols).
 
-    q_ref: `[Lq, D]` (one batch and query head); k_ref: `[Lk, D]` (its key head).
-    Returns float32 `[rows, cols]`: the strided products times `scale` (A is scale =
-    1 / (sqrt(D) * S * norm)); rows and columns past the real tokens see zeros.
+    q_ref: `[Lq, D]` (one batch and query head); k_ref: `[Lk, D]` (its key head), of which
+    the first `k_len` tokens (an int or a traced int32) are real keys. Returns float32
+    `[rows, cols]`: the strided products times `scale` (A is scale = 1 / (sqrt(D) * S *
+    norm)); rows and columns past the real tokens see zeros.
     """
     s = geom.stride
     row_ids = row0 + jnp.arange(rows)
@@ -57,7 +58,7 @@ def score_tile(q_ref, k_ref, row0, col0, *, rows: int, cols: int, geom: Geometry
 
     def add_member(member, acc):  # query group read in reverse, key group forward
         q_part = _load_tokens(q_ref, row_ids * s + (s - 1 - member), geom.q_len, geom.head_dim)
-        k_part = _load_tokens(k_ref, col_ids * s + member, geom.k_len, geom.head_dim)
+        k_part = _load_tokens(k_ref, col_ids * s + member, k_len, geom.head_dim)
         return acc + plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
 
     acc = jax.lax.fori_loop(0, s, add_member, jnp.zeros((rows, cols), jnp.float32))
@@ -81,7 +82,7 @@ def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float
     row0 = pl.program_id(2) * tile
     col0 = pl.program_id(3) * tile
     a = score_tile(q_ref, k_ref, row0, col0, rows=tile, cols=tile, geom=geom,
-                   scale=geom.scale / norm)
+                   scale=geom.scale / norm, k_len=geom.k_len)
     mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
         & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]
     plgpu.store(out_ref.at[pl.ds(row0, tile), pl.ds(col0, tile)], a, mask=mask)

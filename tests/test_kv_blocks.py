@@ -1,0 +1,161 @@
+"""Section 5: KV-block scores of a chunk and their selection, both implementations.
+
+The pure-torch reference (xattn_torch_bridge.reference, float64) is the independent
+check; "interpret" runs the Pallas kernel in interpret mode on CPU, "gpu" compiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from xattn_jax import kv_blocks
+from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
+from xattn_torch_bridge import reference as torch_ref
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPLS = [pytest.param("reference", id="reference"),
+         pytest.param("pallas", id="pallas-gpu", marks=pytest.mark.gpu) if ON_GPU
+         else pytest.param("pallas", id="pallas-interpret")]
+RTOL = 5e-5 if ON_GPU else 1e-5
+
+
+def _chunk(seed, *, q_len=160, capacity=1024, q_heads=4, kv_heads=2, head_dim=16):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, q_heads, q_len, head_dim)) * 1.5
+    k = rng.standard_normal((1, kv_heads, capacity, head_dim)) * 1.5
+    return rng, jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+
+
+def _torch(x) -> torch.Tensor:
+    return torch.tensor(np.asarray(x), dtype=torch.float64)
+
+
+@pytest.fixture
+def seed():
+    return int(np.random.default_rng().integers(2**31))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("k_len", [1024, 777, 300])
+def test_scores_match_torch_reference(impl, k_len, seed):
+    _, q, k = _chunk(seed)
+    got = np.asarray(kv_block_scores(q, k, kv_block_size=256, estimate_block_size=64,
+                                     stride=8, k_len=jnp.int32(k_len), impl=impl))
+    want = torch_ref.kv_block_scores(_torch(q), _torch(k), 256, 64, 8, 1.0, k_len).numpy()
+    n = want.shape[-1]
+    np.testing.assert_allclose(got[..., :n], want, rtol=RTOL, atol=RTOL * want.max(),
+                               err_msg=f"seed={seed}")
+    assert np.all(got[..., n:] == 0), f"blocks past k_len must score 0, seed={seed}"
+    np.testing.assert_allclose(got.sum(-1), 160 // 8, rtol=1e-5)  # one per query row
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_keys_past_k_len_never_leak(impl, seed):
+    """Garbage (huge values, NaN) past k_len changes nothing: the same scores as a buffer
+    holding exactly k_len keys."""
+    rng, q, k = _chunk(seed)
+    k_len = 613  # not a multiple of the stride: a partly filled last stride group
+    tail = rng.standard_normal(k[:, :, k_len:].shape) * 1e4
+    tail[..., 0, 0] = np.nan
+    poisoned = k.at[:, :, k_len:].set(jnp.asarray(tail, jnp.float32))
+    got = kv_block_scores(q, poisoned, kv_block_size=128, estimate_block_size=64, stride=8,
+                          k_len=jnp.int32(k_len), impl=impl)
+    exact = kv_block_scores(q, k[:, :, :k_len], kv_block_size=128, estimate_block_size=64,
+                            stride=8, impl=impl)
+    n = exact.shape[-1]
+    np.testing.assert_allclose(np.asarray(got[..., :n]), np.asarray(exact), rtol=RTOL,
+                               atol=1e-7, err_msg=f"seed={seed}")
+    assert np.all(np.asarray(got[..., n:]) == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hierarchical_equals_direct(impl, seed):
+    """For every power-of-two estimate block (a multiple of the stride) dividing the KV
+    block, the scores equal the direct computation at the KV block size."""
+    _, q, k = _chunk(seed, capacity=1024)
+    kv_block = 512
+    direct = np.asarray(kv_block_scores(q, k, kv_block_size=kv_block,
+                                        estimate_block_size=kv_block, stride=8,
+                                        k_len=jnp.int32(900), impl=impl))
+    for estimate in (8, 16, 32, 64, 128, 256):
+        got = np.asarray(kv_block_scores(q, k, kv_block_size=kv_block,
+                                         estimate_block_size=estimate, stride=8,
+                                         k_len=jnp.int32(900), impl=impl))
+        np.testing.assert_allclose(got, direct, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"estimate_block_size={estimate}, seed={seed}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_compilation_for_a_growing_context(impl, seed):
+    """16 chunks of a growing context in one padded buffer: zero recompilations."""
+    _, q, k = _chunk(seed, q_len=64, capacity=1088)
+    call = jax.jit(lambda q, k, n: kv_block_scores(q, k, kv_block_size=256,
+                                                   estimate_block_size=64, stride=8,
+                                                   k_len=n, impl=impl))
+    before = kv_blocks._kv_scores._cache_size()
+    for chunk in range(16):
+        scores = call(q, k, jnp.int32(64 * (chunk + 1)))
+        assert float(scores.sum()) == pytest.approx(4 * 64 // 8, rel=1e-4)
+    assert call._cache_size() == 1
+    assert kv_blocks._kv_scores._cache_size() - before <= 1
+
+
+@pytest.mark.parametrize("rule", ["score", "vote"])
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_selection_matches_torch_reference(rule, per_kv_head, seed):
+    _, q, k = _chunk(seed, q_len=256, capacity=1024)
+    scores = kv_block_scores(q, k, kv_block_size=128, estimate_block_size=64, stride=8,
+                             per_query_block=rule == "vote", impl="reference")
+    for threshold, num_valid in ((0.9, 8), (0.95, 6), (0.5, 3)):
+        got = select_kv_blocks(scores, threshold=threshold, per_kv_head=per_kv_head,
+                               kv_heads=2, num_valid=num_valid, rule=rule)
+        want = torch_ref.select_kv_blocks(_torch(scores), threshold, True, True,
+                                          2 if per_kv_head else None, num_valid, rule)
+        assert got.shape == ((1, 2, 8) if per_kv_head else (1, 8))
+        assert np.array_equal(np.asarray(got).reshape(want.shape), want.numpy()), \
+            f"threshold={threshold}, num_valid={num_valid}, seed={seed}"
+
+
+def test_selection_rules_by_construction():
+    scores = jnp.asarray([[[0.05, 0.5, 0.3, 0.1, 0.05, 0.0]]], jnp.float32)  # [1, 1, 6]
+    mask = select_kv_blocks(scores, threshold=0.75, keep_first=False, keep_last=False)
+    assert mask.tolist() == [[False, True, True, False, False, False]]  # 0.5 + 0.3 >= 0.75
+    mask = select_kv_blocks(scores, threshold=0.75, num_valid=5)
+    assert mask.tolist() == [[True, True, True, False, True, False]]  # + first and last
+    mask = select_kv_blocks(jnp.zeros((1, 1, 6)), threshold=0.5, num_valid=4,
+                            keep_first=False, keep_last=False)
+    assert mask.tolist() == [[True] * 4 + [False] * 2]  # no mass: every valid block
+    traced = jax.jit(lambda s, n: select_kv_blocks(s, threshold=0.75, num_valid=n))
+    assert traced(scores, jnp.asarray([5])).tolist() == [[True, True, True, False, True, False]]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rule="majority"), "rule"),
+    (dict(threshold=0.0), "threshold"),
+    (dict(threshold=1.5), "threshold"),
+    (dict(per_kv_head=True), "kv_heads"),
+    (dict(per_kv_head=True, kv_heads=3), "kv_heads"),
+    (dict(num_valid=9), "num_valid"),
+    (dict(rule="vote"), "rank"),
+])
+def test_selection_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        select_kv_blocks(jnp.ones((1, 4, 8)), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kv_block_size=256, estimate_block_size=96), "divide"),
+    (dict(kv_block_size=0), "kv_block_size"),
+    (dict(estimate_block_size=60, kv_block_size=120), "block_size"),
+    (dict(k_len=0), "k_len"),
+    (dict(k_len=2000), "k_len"),
+])
+def test_score_errors(kwargs, match, seed):
+    _, q, k = _chunk(seed, q_len=64, capacity=1024)
+    args = dict(kv_block_size=256, estimate_block_size=64, stride=8) | kwargs
+    with pytest.raises(ValueError, match=match):
+        kv_block_scores(q, k, **args)

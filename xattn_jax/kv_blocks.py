@@ -1,0 +1,171 @@
+"""ESTIMATE.md section 5: chunked-prefill scores and selection over KV-cache blocks.
+
+A serving engine prefills a chunk of queries against the keys cached before it, held in
+a buffer padded to a capacity. `kv_block_scores` gives, per KV-cache block, the softmax
+mass the chunk's queries put on it: block sums at a small `estimate_block_size` (where the
+kernel is fast), summed over the chunk's query blocks and up to `kv_block_size`
+(hierarchical sums, equal to the direct computation). The number of cached keys `k_len`
+is data, so one compiled function serves every chunk of a growing context.
+`select_kv_blocks` picks the blocks to load from those scores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xattn_jax import reference
+from xattn_jax.api import _backend
+from xattn_jax.geometry import Geometry, check_norm, check_qk
+from xattn_jax.pallas import block_sums as pallas_block_sums
+
+RULES = ("score", "vote")
+
+
+def _check_sizes(kv_block_size, estimate_block_size, stride) -> None:
+    for name, value in (("kv_block_size", kv_block_size),
+                        ("estimate_block_size", estimate_block_size)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if kv_block_size % estimate_block_size:
+        raise ValueError(f"estimate_block_size ({estimate_block_size}) must divide "
+                         f"kv_block_size ({kv_block_size})")
+
+
+def _key_len(k_len, capacity: int) -> jax.Array:
+    """k_len as int32 `[]`; a Python int is checked against the buffer's capacity."""
+    if k_len is None:
+        return jnp.int32(capacity)
+    if isinstance(k_len, (int, np.integer)) and not isinstance(k_len, bool):
+        if not 1 <= k_len <= capacity:
+            raise ValueError(f"k_len must lie in [1, {capacity}] (k's length), got {k_len}")
+    elif not isinstance(k_len, jax.Array) or k_len.ndim:
+        raise ValueError(f"k_len must be an int or a scalar jax.Array, got {k_len!r}")
+    return jnp.asarray(k_len, jnp.int32)
+
+
+def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Sums consecutive groups of `size` along `axis`, zero-padding the last group."""
+    groups = -(-x.shape[axis] // size)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, groups * size - x.shape[axis])
+    x = jnp.pad(x, pad)
+    return x.reshape(*x.shape[:axis], groups, size, *x.shape[axis + 1:]).sum(axis=axis + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "norm", "per_kv_block",
+                                             "per_query_block", "backend"))
+def _kv_scores(q, k, key_len, *, geom: Geometry, norm: float, per_kv_block: int,
+               per_query_block: bool, backend: str):
+    if backend == "reference":
+        sums = reference.block_sums(q, k, geom, causal=False, norm=norm, key_len=key_len)
+    else:
+        sums = pallas_block_sums.block_sums(q, k, geom=geom, causal=False, norm=norm,
+                                            key_len=key_len.reshape(1),
+                                            interpret=backend == "interpret")
+    rows = _sum_groups(sums, 2, per_kv_block) if per_query_block else sums.sum(axis=2)
+    return _sum_groups(rows, rows.ndim - 1, per_kv_block)
+
+
+def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
+                    estimate_block_size: int = 1024, stride: int = 8, norm: float = 1.0,
+                    k_len=None, per_query_block: bool = False,
+                    impl: str = "auto") -> jax.Array:
+    """Softmax mass of a chunk's queries in each KV-cache block: float32 `[B, Hq, n]`.
+
+    q: the chunk `[B, Hq, Lq, D]`, all of it after every cached key (no causal mask).
+    k: the cached keys `[B, Hkv, capacity, D]`, Lq <= capacity; only the first `k_len`
+      hold keys (an int, or a traced int32 scalar: new values do not recompile).
+    n = ceil(capacity / kv_block_size); blocks past k_len score 0. A head's scores sum to
+    ceil(Lq / stride): each reshaped query row's softmax sums to 1. estimate_block_size
+    must be a multiple of stride and divide kv_block_size; the result equals the direct
+    computation at kv_block_size. per_query_block keeps the chunk's query blocks (of
+    kv_block_size tokens): `[B, Hq, ceil(Lq / kv_block_size), n]`, the rows of the "vote"
+    rule of `select_kv_blocks`.
+    """
+    _check_sizes(kv_block_size, estimate_block_size, stride)
+    geom = check_qk(q, k, stride=stride, block_size=estimate_block_size, causal=False)
+    return _kv_scores(q, k, _key_len(k_len, geom.k_len), geom=geom, norm=check_norm(norm),
+                      per_kv_block=kv_block_size // estimate_block_size,
+                      per_query_block=bool(per_query_block), backend=_backend(impl))
+
+
+def _valid_blocks(num_valid, batch: int, blocks: int) -> jax.Array:
+    """bool `[B, 1, n]`: blocks in use (the first num_valid of each batch element)."""
+    if num_valid is None:
+        return jnp.ones((batch, 1, blocks), bool)
+    if isinstance(num_valid, (int, np.integer)) and not 1 <= num_valid <= blocks:
+        raise ValueError(f"num_valid must lie in [1, {blocks}], got {num_valid}")
+    counts = jnp.broadcast_to(jnp.asarray(num_valid, jnp.int32), (batch,))
+    return jnp.arange(blocks)[None, None, :] < counts[:, None, None]
+
+
+def _groups(scores: jax.Array, per_kv_head: bool, kv_heads) -> jax.Array:
+    """scores `[B, Hq, ...]` -> `[B, G, Hq / G, ...]`, G = kv_heads or 1."""
+    heads = scores.shape[1]
+    if not per_kv_head:
+        return scores[:, None]
+    if not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"per_kv_head=True needs kv_heads, a divisor of the {heads} query "
+                         f"heads, got {kv_heads!r}")
+    return scores.reshape(scores.shape[0], kv_heads, heads // kv_heads, *scores.shape[2:])
+
+
+@functools.partial(jax.jit, static_argnames=("rule",))
+def _select_kv(groups, valid, threshold, *, rule: str):
+    """groups `[B, G, heads, n]` (score) or `[B, G, heads, R, n]` (vote); valid `[B, 1, n]`.
+    Returns bool `[B, G, n]` before the kept first and last blocks."""
+    if rule == "score":
+        mass, ok = groups.mean(axis=2), valid
+    else:
+        mass, ok = groups, valid[:, :, None, None, :]
+    mass = jnp.where(ok, mass, 0.0)
+    total = mass.sum(axis=-1, keepdims=True)
+    take = reference.take_descending(mass, ok, jnp.zeros_like(total), threshold * total)
+    take = jnp.where(jnp.isfinite(total) & (total > 0), take, ok)
+    if rule == "vote":  # strict majority of the group's rows (query heads x query blocks)
+        take = take.sum(axis=(2, 3)) * 2 > take.shape[2] * take.shape[3]
+    return take
+
+
+def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: bool = True,
+                     keep_last: bool = True, per_kv_head: bool = False, kv_heads=None,
+                     num_valid=None, rule: str = "score") -> jax.Array:
+    """KV-cache blocks to load for a chunk: bool `[B, n]`, or `[B, Hkv, n]` per KV head.
+
+    scores: `[B, Hq, n]` from `kv_block_scores` (rule "score"), or per query block
+      `[B, Hq, R, n]` (rule "vote": block sums of the chunk's R query blocks).
+    threshold: share of the mass to keep, in (0, 1].
+    per_kv_head: select once per KV head (`kv_heads` of them) from its query heads, the
+      union a KV head's attention needs; otherwise once for all heads.
+    num_valid: KV blocks in use, an int or `[B]` ints (may be traced; default n). Later
+      blocks are never selected.
+    rule "score": average over the group's heads, take blocks in descending order (ties:
+      lower index first) until the cumulative share of the valid mass reaches threshold.
+    rule "vote" (the engine's earlier rule, kept for comparison): each row (query head,
+      query block) keeps its smallest set reaching the threshold; a block is selected by a
+      strict majority of the group's rows.
+    keep_first / keep_last then add block 0 (attention sink) and the last valid block
+    (most recent context); they do not count towards the threshold. A group or row whose
+    mass is not finite or not positive keeps every valid block.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    want = 3 if rule == "score" else 4
+    if getattr(scores, "ndim", None) != want:
+        raise ValueError(f"rule={rule!r} takes scores of rank {want}, got shape "
+                         f"{getattr(scores, 'shape', None)}")
+    if isinstance(threshold, bool) or not 0 < float(threshold) <= 1:
+        raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
+    batch, blocks = scores.shape[0], scores.shape[-1]
+    valid = _valid_blocks(num_valid, batch, blocks)
+    take = _select_kv(_groups(scores.astype(jnp.float32), per_kv_head, kv_heads), valid,
+                      jnp.float32(threshold), rule=rule)
+    j = jnp.arange(blocks)
+    last = valid.sum(axis=-1, keepdims=True) - 1
+    keep = ((j == 0) & keep_first) | ((j == last) & keep_last)
+    mask = (take | keep) & valid
+    return mask if per_kv_head else mask[:, 0]
