@@ -23,7 +23,7 @@ PALLAS_MAX_KEY_BLOCKS = 16384  # wider rows select with the reference (XLA sort)
 _reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
 
 
-def _backend(impl: str) -> str:
+def resolve_backend(impl: str) -> str:
     """Resolves `impl` to "reference", "pallas" or "interpret" for the current backend."""
     on_gpu = jax.default_backend() == "gpu"
     if check_impl(impl) == "reference" or (impl == "auto" and not on_gpu):
@@ -41,7 +41,7 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
     """
     geom = check_qk(q, k, stride=stride, block_size=stride, causal=False)
     norm = check_norm(norm)
-    backend = _backend(impl)
+    backend = resolve_backend(impl)
     if backend == "reference":
         return _reference_scores(q, k, geom, norm)
     return pallas_scores.strided_scores(q, k, geom=geom, norm=norm,
@@ -64,7 +64,7 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
     t = threshold_per_head(threshold, block_sums.shape[1])
     return _select(block_sums.astype("float32"), t, causal=bool(causal),
                    keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
-                   backend=_backend(impl))
+                   backend=resolve_backend(impl))
 
 
 def _select(sums, threshold, *, causal, keep_sink, keep_recent, backend):
@@ -125,4 +125,4 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     t = threshold_per_head(threshold, geom.q_heads)
     return _estimate(q, k, t, geom=geom, causal=bool(causal), norm=check_norm(norm),
                      keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
-                     backend=_backend(impl))
+                     backend=resolve_backend(impl))

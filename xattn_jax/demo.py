@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from xattn_jax.api import xattn_estimate
+from xattn_jax.api import resolve_backend, xattn_estimate
 from xattn_jax.geometry import IMPLS
 from xattn_jax.recall import Coverage, coverage
 from xattn_jax.synthetic import structured_qk
@@ -102,7 +102,7 @@ def _report(args, q, first: float, steady: float, cov: Coverage, seconds: dict) 
     return "\n".join([
         "xattn-jax demo: the XAttention estimate on a synthetic long-context example",
         f"  q, k       {q.dtype} {list(q.shape)} (batch, heads, tokens, head_dim), "
-        f"backend {jax.default_backend()}, impl {args.impl}",
+        f"backend {jax.default_backend()}, impl {args.impl} ({resolve_backend(args.impl)})",
         f"  settings   stride {args.stride}, block_size {args.block_size}, "
         f"threshold {args.threshold}, causal; {kb} x {kb} blocks per head",
         f"  estimate   {first * 1e3:.1f} ms first call (with compile), "

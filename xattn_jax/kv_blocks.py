@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xattn_jax import reference
-from xattn_jax.api import _backend
+from xattn_jax.api import resolve_backend
 from xattn_jax.geometry import Geometry, check_norm, check_qk
 from xattn_jax.pallas import block_sums as pallas_block_sums
 
@@ -90,7 +90,7 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     geom = check_qk(q, k, stride=stride, block_size=estimate_block_size, causal=False)
     return _kv_scores(q, k, _key_len(k_len, geom.k_len), geom=geom, norm=check_norm(norm),
                       per_kv_block=kv_block_size // estimate_block_size,
-                      per_query_block=bool(per_query_block), backend=_backend(impl))
+                      per_query_block=bool(per_query_block), backend=resolve_backend(impl))
 
 
 def _valid_blocks(num_valid, batch: int, blocks: int) -> jax.Array:
