@@ -159,3 +159,38 @@ def test_score_errors(kwargs, match, seed):
     args = dict(kv_block_size=256, estimate_block_size=64, stride=8) | kwargs
     with pytest.raises(ValueError, match=match):
         kv_block_scores(q, k, **args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_paged_cache_equals_contiguous(impl, seed):
+    """Two sequences in one shuffled page pool (unused pages hold NaN) give the scores of
+    their contiguous keys; GQA heads read their KV head's pages."""
+    rng = np.random.default_rng(seed)
+    page_size, per_seq, pool = 64, 16, 40
+    q = jnp.asarray(rng.standard_normal((2, 4, 96, 16)) * 1.5, jnp.float32)
+    k = rng.standard_normal((2, 2, page_size * per_seq, 16)) * 1.5
+    pages = np.full((pool, page_size, 2, 16), np.nan)
+    table = rng.permutation(pool)[:2 * per_seq].reshape(2, per_seq)
+    for b in range(2):
+        for i, page in enumerate(table[b]):
+            pages[page] = k[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
+    args = dict(kv_block_size=256, estimate_block_size=64, stride=8, k_len=jnp.int32(901),
+                impl=impl)
+    got = kv_block_scores(q, jnp.asarray(pages, jnp.float32),
+                          block_table=jnp.asarray(table, jnp.int32), **args)
+    want = kv_block_scores(q, jnp.asarray(k, jnp.float32), **args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=1e-7,
+                               err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("pages, table, match", [
+    (np.zeros((4, 64, 2)), np.zeros((1, 2), np.int32), "paged cache"),
+    (np.zeros((4, 64, 2, 16)), np.zeros((2,), np.int32), "block_table"),
+    (np.zeros((4, 64, 2, 16)), np.zeros((1, 2), np.float32), "block_table"),
+    (np.zeros((4, 64, 2, 16)), np.zeros((3, 2), np.int32), "one row per batch"),
+])
+def test_paged_errors(pages, table, match, seed):
+    _, q, _ = _chunk(seed, q_len=64)
+    with pytest.raises(ValueError, match=match):
+        kv_block_scores(q, jnp.asarray(pages, jnp.float32), block_table=jnp.asarray(table),
+                        kv_block_size=128, estimate_block_size=64)

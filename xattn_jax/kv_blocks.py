@@ -56,15 +56,45 @@ def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], groups, size, *x.shape[axis + 1:]).sum(axis=axis + 1)
 
 
+def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
+    """A paged cache `[num_pages, page_size, Hkv, D]` read through `block_table`
+    (int32 `[B, pages_per_seq]`) as contiguous keys `[B, Hkv, pages_per_seq * page_size, D]`
+    (a copy: for the reference and for tests)."""
+    b, per_seq = block_table.shape
+    keys = pages[block_table]  # [B, pages_per_seq, page_size, Hkv, D]
+    keys = keys.reshape(b, per_seq * pages.shape[1], *pages.shape[2:])
+    return keys.transpose(0, 2, 1, 3)
+
+
+def _paged_view(q, pages, block_table) -> jax.ShapeDtypeStruct:
+    """Checks a paged cache and its block table; returns the contiguous keys' shape."""
+    if getattr(pages, "ndim", None) != 4:
+        raise ValueError(f"k must be a paged cache [num_pages, page_size, Hkv, D] when "
+                         f"block_table is given, got shape {getattr(pages, 'shape', None)}")
+    if getattr(block_table, "ndim", None) != 2 or not jnp.issubdtype(block_table.dtype,
+                                                                     jnp.integer):
+        raise ValueError(f"block_table must be integers [batch, pages_per_seq], got "
+                         f"{getattr(block_table, 'dtype', None)} "
+                         f"{getattr(block_table, 'shape', None)}")
+    if block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must have one row per batch element ({q.shape[0]}), "
+                         f"got {block_table.shape[0]}")
+    _, page_size, kv_heads, head_dim = pages.shape
+    return jax.ShapeDtypeStruct((q.shape[0], kv_heads, block_table.shape[1] * page_size,
+                                 head_dim), pages.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("geom", "norm", "per_kv_block",
                                              "per_query_block", "backend"))
-def _kv_scores(q, k, key_len, *, geom: Geometry, norm: float, per_kv_block: int,
+def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_kv_block: int,
                per_query_block: bool, backend: str):
     if backend == "reference":
-        sums = reference.block_sums(q, k, geom, causal=False, norm=norm, key_len=key_len)
+        keys = k if block_table is None else gather_pages(k, block_table)
+        sums = reference.block_sums(q, keys, geom, causal=False, norm=norm, key_len=key_len)
     else:
         sums = pallas_block_sums.block_sums(q, k, geom=geom, causal=False, norm=norm,
                                             key_len=key_len.reshape(1),
+                                            block_table=block_table,
                                             interpret=backend == "interpret")
     rows = _sum_groups(sums, 2, per_kv_block) if per_query_block else sums.sum(axis=2)
     return _sum_groups(rows, rows.ndim - 1, per_kv_block)
@@ -72,13 +102,17 @@ def _kv_scores(q, k, key_len, *, geom: Geometry, norm: float, per_kv_block: int,
 
 def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
                     estimate_block_size: int = 1024, stride: int = 8, norm: float = 1.0,
-                    k_len=None, per_query_block: bool = False,
+                    k_len=None, block_table=None, per_query_block: bool = False,
                     impl: str = "auto") -> jax.Array:
     """Softmax mass of a chunk's queries in each KV-cache block: float32 `[B, Hq, n]`.
 
     q: the chunk `[B, Hq, Lq, D]`, all of it after every cached key (no causal mask).
     k: the cached keys `[B, Hkv, capacity, D]`, Lq <= capacity; only the first `k_len`
-      hold keys (an int, or a traced int32 scalar: new values do not recompile).
+      hold keys (an int, or a traced int32 scalar: new values do not recompile). Or, with
+      `block_table` (int32 `[B, pages_per_seq]`), a paged cache `[num_pages, page_size,
+      Hkv, D]` (the layout of vLLM and nano-vllm), whose sequence b is the pages
+      block_table[b] in order (capacity = pages_per_seq * page_size); the kernel reads
+      the pages through the table, with no gathered copy.
     n = ceil(capacity / kv_block_size); blocks past k_len score 0. A head's scores sum to
     ceil(Lq / stride): each reshaped query row's softmax sums to 1. estimate_block_size
     must be a multiple of stride and divide kv_block_size; the result equals the direct
@@ -87,8 +121,11 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     rule of `select_kv_blocks`.
     """
     _check_sizes(kv_block_size, estimate_block_size, stride)
-    geom = check_qk(q, k, stride=stride, block_size=estimate_block_size, causal=False)
-    return _kv_scores(q, k, _key_len(k_len, geom.k_len), geom=geom, norm=check_norm(norm),
+    keys = k if block_table is None else _paged_view(q, k, block_table)
+    geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
+    table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
+    return _kv_scores(q, k, _key_len(k_len, geom.k_len), table, geom=geom,
+                      norm=check_norm(norm),
                       per_kv_block=kv_block_size // estimate_block_size,
                       per_query_block=bool(per_query_block), backend=resolve_backend(impl))
 

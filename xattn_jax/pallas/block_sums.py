@@ -24,14 +24,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.strided_scores import qk_specs, score_tile
+from xattn_jax.pallas.strided_scores import (load_paged_tokens, load_tokens, qk_specs,
+                                             score_tile)
 from xattn_jax.pallas.tiling import Tiling, default_tiling
 
 LOG2_E = 1.4426950408889634
 
 
-def _block_sums_kernel(q_ref, k_ref, key_len_ref, out_ref, *, geom: Geometry, causal: bool,
-                       norm: float, tiling: Tiling):
+def _block_sums_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
+                       tiling: Tiling, paged: bool):
+    """refs: (block table, key count, out) for a paged cache, else (key count, out)."""
+    table_ref, key_len_ref, out_ref = refs if paged else (None, *refs)
     rows, cols = tiling.rows, tiling.cols
     fine = tiling.fine(geom)
     per_block = geom.block_rows // fine
@@ -41,6 +44,12 @@ def _block_sums_kernel(q_ref, k_ref, key_len_ref, out_ref, *, geom: Geometry, ca
     row_real = row_ids < geom.q_rows
     k_len = key_len_ref[0]  # real keys: geom.k_len, or fewer in a padded cache buffer
     k_cols = (k_len + geom.stride - 1) // geom.stride
+    if paged:
+        load_keys = functools.partial(load_paged_tokens, k_ref, table_ref,
+                                      pl.program_id(1) // geom.group, length=k_len,
+                                      head_dim=geom.head_dim)
+    else:
+        load_keys = functools.partial(load_tokens, k_ref, length=k_len, head_dim=geom.head_dim)
 
     if causal:
         last_row = jnp.minimum(row0 + rows, geom.q_rows) - 1
@@ -54,8 +63,8 @@ def _block_sums_kernel(q_ref, k_ref, key_len_ref, out_ref, *, geom: Geometry, ca
 
     def masked_scores(col_tile):  # A * log2(e), -inf where not visible
         col0 = col_tile * cols
-        a = score_tile(q_ref, k_ref, row0, col0, rows=rows, cols=cols, geom=geom,
-                       scale=geom.scale / norm * LOG2_E, k_len=k_len)
+        a = score_tile(q_ref, load_keys, row0, col0, rows=rows, cols=cols, geom=geom,
+                       scale=geom.scale / norm * LOG2_E)
         col_ids = col0 + jnp.arange(cols)
         seen = (col_ids < k_cols)[None, :]
         if causal:
@@ -100,15 +109,18 @@ def _block_sums_kernel(q_ref, k_ref, key_len_ref, out_ref, *, geom: Geometry, ca
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "tiling", "interpret"))
 def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm: float,
-               key_len: jax.Array | None = None, tiling: Tiling | None = None,
-               interpret: bool = False) -> jax.Array:
+               key_len: jax.Array | None = None, block_table: jax.Array | None = None,
+               tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
     """Pallas sections 1-3: float32 block sums `[B, Hq, ceil(Lq/bs), ceil(Lk/bs)]`.
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, same dtype (float32, bfloat16, float16).
     key_len: int32 `[1]`, the keys in use when k is a buffer padded to a capacity
     (non-causal only; the default is all Lk): later keys are never visible, and one
-    compiled kernel serves every key_len. `tiling` defaults to the measured
-    `default_tiling`. Extra memory: the fine block sums only, never the score matrix.
+    compiled kernel serves every key_len. block_table: int32 `[B, pages_per_seq]` when k
+    is a paged cache `[num_pages, page_size, Hkv, D]` (Lk = pages_per_seq * page_size):
+    the kernel reads each sequence's pages through the table, no gathered copy.
+    `tiling` defaults to the measured `default_tiling`. Extra memory: the fine block sums
+    only, never the score matrix.
     """
     tiling = tiling or default_tiling(geom, q.dtype)
     if key_len is None:
@@ -118,18 +130,26 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
     out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
                  geom.k_blocks * per_block)
     grid = (geom.batch, geom.q_heads, pl.cdiv(out_shape[2] * fine, tiling.rows))
+    paged = block_table is not None
     kernel = functools.partial(_block_sums_kernel, geom=geom, causal=causal, norm=norm,
-                               tiling=tiling)
+                               tiling=tiling, paged=paged)
+    if paged:
+        pages = pl.BlockSpec(k.shape, lambda *_: (0,) * k.ndim)
+        table = pl.BlockSpec((None, block_table.shape[1]), lambda b, *_: (b, 0))
+        in_specs = [qk_specs(geom)[0], pages, table]
+        operands = (q, k, block_table.astype(jnp.int32))
+    else:
+        in_specs, operands = qk_specs(geom), (q, k)
     sums = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=qk_specs(geom) + [pl.BlockSpec((1,), lambda *_: (0,))],
+        in_specs=in_specs + [pl.BlockSpec((1,), lambda *_: (0,))],
         out_specs=pl.BlockSpec((None, None) + out_shape[2:], lambda b, h, *_: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=tiling.num_stages),
         interpret=interpret,
-    )(q, k, key_len.astype(jnp.int32).reshape(1))
+    )(*operands, key_len.astype(jnp.int32).reshape(1))
     if per_block == 1:
         return sums
     b, h = sums.shape[:2]

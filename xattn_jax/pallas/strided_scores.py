@@ -22,33 +22,59 @@ from xattn_jax.geometry import Geometry, next_pow2
 from xattn_jax.pallas.tiling import default_tiling
 
 
-def _load_tokens(ref, tokens: jax.Array, length: int, head_dim: int) -> jax.Array:
-    """Loads token rows `tokens` (int32 `[n]`) of a `[length, head_dim]` ref as `[n, D_pad]`.
+def _head_columns(head_dim: int) -> tuple[jax.Array, jax.Array | None]:
+    """Column index `[1, D_pad]` and its mask (None for a power-of-two head_dim).
 
-    Rows at or past `length` (padding) and columns past `head_dim` read as zeros. With a
-    power-of-two head_dim the column index is a plain range and the mask is constant along
-    a row, which lets Triton vectorize the loads (a clamped or masked column index costs
-    several times the kernel's time).
+    With a power-of-two head_dim the column index is a plain range and the row mask is
+    constant along a row, which lets Triton vectorize the loads (a clamped or masked
+    column index costs several times the kernel's time).
     """
-    rows = jnp.minimum(tokens, length - 1)[:, None]
-    mask = (tokens < length)[:, None]
     dims = jnp.arange(next_pow2(head_dim))
     if dims.shape[0] == head_dim:
-        cols = dims[None, :]
-    else:
-        cols = jnp.minimum(dims, head_dim - 1)[None, :]
-        mask = mask & (dims < head_dim)[None, :]
+        return dims[None, :], None
+    return jnp.minimum(dims, head_dim - 1)[None, :], (dims < head_dim)[None, :]
+
+
+def load_tokens(ref, tokens: jax.Array, length, head_dim: int) -> jax.Array:
+    """Token rows `tokens` (int32 `[n]`) of a `[L, head_dim]` ref as `[n, D_pad]`.
+
+    Rows at or past `length` (padding; an int or a traced int32) and columns past
+    head_dim read as zeros.
+    """
+    cols, col_mask = _head_columns(head_dim)
+    mask = (tokens < length)[:, None]
+    mask = mask if col_mask is None else mask & col_mask
+    rows = jnp.minimum(tokens, length - 1)[:, None]
     return plgpu.load(ref.at[rows, cols], mask=mask, other=0)
 
 
-def score_tile(q_ref, k_ref, row0, col0, *, rows: int, cols: int, geom: Geometry,
-               scale: float, k_len) -> jax.Array:
+def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
+                      head_dim: int) -> jax.Array:
+    """Token rows of one sequence in a paged cache, as `[n, D_pad]`, like `load_tokens`.
+
+    pages_ref: `[num_pages, page_size, Hkv, D]`; table_ref: int32 `[pages_per_seq]`, the
+    sequence's pages in order (token t lives in page table[t // page_size] at row
+    t % page_size); kv_head: the key head to read.
+    """
+    page_size = pages_ref.shape[1]
+    cols, col_mask = _head_columns(head_dim)
+    mask = (tokens < length)[:, None]
+    mask = mask if col_mask is None else mask & col_mask
+    slots = jnp.minimum(tokens, length - 1)
+    pages = plgpu.load(table_ref.at[slots // page_size])
+    return plgpu.load(
+        pages_ref.at[pages[:, None], (slots % page_size)[:, None], kv_head, cols],
+        mask=mask, other=0)
+
+
+def score_tile(q_ref, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
+               scale: float) -> jax.Array:
     """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols).
 
-    q_ref: `[Lq, D]` (one batch and query head); k_ref: `[Lk, D]` (its key head), of which
-    the first `k_len` tokens (an int or a traced int32) are real keys. Returns float32
-    `[rows, cols]`: the strided products times `scale` (A is scale = 1 / (sqrt(D) * S *
-    norm)); rows and columns past the real tokens see zeros.
+    q_ref: `[Lq, D]` (one batch and query head); load_keys(tokens) returns its key head's
+    token rows as `[n, D_pad]` (`load_tokens` or `load_paged_tokens` with the real key
+    count bound). Returns float32 `[rows, cols]`: the strided products times `scale` (A
+    is scale = 1 / (sqrt(D) * S * norm)); rows and columns past the real tokens see zeros.
     """
     s = geom.stride
     row_ids = row0 + jnp.arange(rows)
@@ -57,8 +83,8 @@ def score_tile(q_ref, k_ref, row0, col0, *, rows: int, cols: int, geom: Geometry
                  else jax.lax.Precision.DEFAULT)
 
     def add_member(member, acc):  # query group read in reverse, key group forward
-        q_part = _load_tokens(q_ref, row_ids * s + (s - 1 - member), geom.q_len, geom.head_dim)
-        k_part = _load_tokens(k_ref, col_ids * s + member, k_len, geom.head_dim)
+        q_part = load_tokens(q_ref, row_ids * s + (s - 1 - member), geom.q_len, geom.head_dim)
+        k_part = load_keys(col_ids * s + member)
         return acc + plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
 
     acc = jax.lax.fori_loop(0, s, add_member, jnp.zeros((rows, cols), jnp.float32))
@@ -81,8 +107,10 @@ def qk_specs(geom: Geometry) -> list[pl.BlockSpec]:
 def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float, tile: int):
     row0 = pl.program_id(2) * tile
     col0 = pl.program_id(3) * tile
-    a = score_tile(q_ref, k_ref, row0, col0, rows=tile, cols=tile, geom=geom,
-                   scale=geom.scale / norm, k_len=geom.k_len)
+    load_keys = functools.partial(load_tokens, k_ref, length=geom.k_len,
+                                  head_dim=geom.head_dim)
+    a = score_tile(q_ref, load_keys, row0, col0, rows=tile, cols=tile, geom=geom,
+                   scale=geom.scale / norm)
     mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
         & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]
     plgpu.store(out_ref.at[pl.ds(row0, tile), pl.ds(col0, tile)], a, mask=mask)
