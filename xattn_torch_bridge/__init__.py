@@ -64,5 +64,8 @@ _warn_if_preallocated()
 from xattn_torch_bridge import reference  # noqa: E402
 from xattn_torch_bridge.dlpack import cuda_available, to_jax, to_torch  # noqa: E402
 from xattn_torch_bridge.estimate import xattn_estimate  # noqa: E402
+from xattn_torch_bridge.kv_cache import PagedKVCache  # noqa: E402
+from xattn_torch_bridge.policy import XAttentionPolicy  # noqa: E402
 
-__all__ = ["cuda_available", "reference", "to_jax", "to_torch", "xattn_estimate"]
+__all__ = ["PagedKVCache", "XAttentionPolicy", "cuda_available", "reference", "to_jax",
+           "to_torch", "xattn_estimate"]

@@ -1,0 +1,22 @@
+"""Test helper: the whole state of a PagedKVCache, to prove a refused call changed nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from xattn_torch_bridge import PagedKVCache
+
+
+def snapshot(cache: PagedKVCache):
+    """Everything a refused call must leave unchanged: bookkeeping and all four pools."""
+    book = copy.deepcopy((cache._where, cache._tokens, cache._free, cache._free_cpu,
+                          cache._next_id))
+    pools = [x.clone() for x in (cache.keys, cache.values, cache.cpu_keys, cache.cpu_values)]
+    return book, pools
+
+
+def assert_same(before, after) -> None:
+    assert before[0] == after[0]
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))

@@ -1,0 +1,234 @@
+"""xattn_torch_bridge.XAttentionPolicy: the blocks of the float64 pure-torch reference on
+the gathered keys, the same blocks whether some are offloaded or not, zero copy, and
+clear refusals that leave the cache unchanged.
+
+The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
+(`pytest -m gpu tests/test_policy.py`).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import xattn_jax
+
+import xattn_torch_bridge as bridge
+from cache_state import assert_same, snapshot
+from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference
+
+BS, HKV, HQ, D, EBS, STRIDE = 64, 2, 4, 16, 32, 8
+GPU_EBS = 64  # the estimate block size of the Pallas kernel's GPU tests
+EPS = 1e-4  # threshold tolerance: float32 estimate against the float64 reference
+
+needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
+                                reason="needs torch CUDA and JAX's CUDA backend")
+
+
+def context(rand, length: int, q_len: int = 48):
+    """Keys and values `[length, Hkv, D]` and a chunk q `[Hq, q_len, D]`, float32, with
+    blocks of different weight: keys lean towards q's common direction by a random
+    amount per 32 tokens, so a threshold below 1 selects a strict subset."""
+    rng = rand.rng
+    u = torch.from_numpy(rng.standard_normal(D))
+    lean = torch.from_numpy(rng.uniform(0, 2.5, -(-length // 32))).repeat_interleave(32)
+    k = torch.from_numpy(rng.standard_normal((length, HKV, D)))
+    k = k + lean[:length, None, None] * u
+    q = torch.from_numpy(rng.standard_normal((HQ, q_len, D))) + u
+    return k.float(), torch.from_numpy(rng.standard_normal((length, HKV, D))).float(), \
+        q.float()
+
+
+def make_cache(rand, length: int, **kwargs):
+    cache = PagedKVCache(**(dict(num_blocks=8, block_size=BS, kv_heads=HKV, head_dim=D,
+                                 dtype=torch.float32, device="cpu", num_cpu_blocks=4,
+                                 staging_slots=2) | kwargs))
+    k, v, q = context(rand, length)
+    return cache, cache.append([], k, v), q
+
+
+def expected(q, cache, ids, policy: XAttentionPolicy, threshold: float) -> set[int]:
+    """The reference's selection (float64) on the sequence's gathered keys."""
+    keys = torch.cat([cache.kv(i)[0].cpu() for i in ids]).double()
+    vote = policy.rule == "vote"
+    scores = reference.kv_block_scores(q[None].double().cpu(), keys.permute(1, 0, 2)[None],
+                                       BS, policy.estimate_block_size, policy.stride,
+                                       per_query_block=vote)
+    mask = reference.select_kv_blocks(scores, min(max(threshold, 1e-6), 1.0),
+                                      policy.keep_first, policy.keep_last,
+                                      HKV if policy.per_kv_head else None, rule=policy.rule)
+    return {ids[j] for j in torch.nonzero(mask.any(dim=1)[0]).flatten().tolist()}
+
+
+def check(q, cache, ids, policy, rand, eps: float = EPS) -> list[int]:
+    """select_blocks lies between the reference's selections at threshold -+ eps."""
+    got = policy.select_blocks(q, cache, ids)
+    assert got == sorted(got, key=ids.index)  # context order
+    low = expected(q, cache, ids, policy, policy.threshold - eps)
+    high = expected(q, cache, ids, policy, policy.threshold + eps)
+    assert low <= set(got) <= high, (got, low, high, str(rand))
+    return got
+
+
+@pytest.mark.parametrize("length", [30, 3 * BS, 5 * BS + 17], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("kwargs", [dict(threshold=0.5), dict(threshold=0.9),
+                                    dict(threshold=0.7, rule="vote"),
+                                    dict(threshold=0.6, per_kv_head=True),
+                                    dict(threshold=0.6, keep_first=False, keep_last=False)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_matches_the_reference(rand, length, kwargs):
+    cache, ids, q = make_cache(rand, length)
+    policy = XAttentionPolicy(stride=STRIDE, estimate_block_size=EBS, **kwargs)
+    check(q, cache, ids, policy, rand)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_hot_block_is_all_a_low_threshold_keeps(rand, keep):
+    k, v, q = context(rand, 5 * BS)
+    u = q.mean(dim=(0, 1))  # about q's common direction
+    k = torch.from_numpy(rand.rng.standard_normal(k.shape)).float() * 0.5
+    k[2 * BS:3 * BS] += 3 * u  # block 2 matches the chunk
+    cache = PagedKVCache(8, BS, HKV, D, dtype=torch.float32, device="cpu")
+    ids = cache.append([], k, v)
+    policy = XAttentionPolicy(0.5, STRIDE, EBS, keep_first=keep, keep_last=keep)
+    assert check(q, cache, ids, policy, rand) == ([0, 2, 4] if keep else [2])
+
+
+@pytest.mark.parametrize("length", [30, 5 * BS + 3], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("rule", ["score", "vote"])
+def test_chunk_of_several_query_blocks(rand, length, rule):
+    """A chunk of 3 query blocks, also longer than the cached context."""
+    cache = PagedKVCache(8, BS, HKV, D, dtype=torch.float32, device="cpu")
+    k, v, q = context(rand, length, q_len=150)
+    ids = cache.append([], k, v)
+    check(q, cache, ids, XAttentionPolicy(0.7, STRIDE, EBS, rule=rule), rand)
+
+
+def test_offloaded_blocks_give_the_same_selection(rand):
+    cache, ids, q = make_cache(rand, 5 * BS + 17)
+    policy = XAttentionPolicy(0.6, STRIDE, EBS)
+    resident = policy.select_blocks(q, cache, ids)
+    cache.offload([ids[1], ids[4]])
+    before = snapshot(cache)
+    assert policy.select_blocks(q[None], cache, ids) == resident  # [1, Hq, Lq, D] too
+    after = snapshot(cache)
+    assert before[0] == after[0]  # the blocks stay offloaded; only staging pages changed
+    assert torch.equal(before[1][0][:8], after[1][0][:8])
+    cache.offload([ids[0]])
+    cache.load([ids[1], ids[4]])  # other slots, other staging pages
+    assert policy.select_blocks(q, cache, ids) == resident
+
+
+def test_zero_copy(rand, monkeypatch):
+    cache, ids, q = make_cache(rand, 3 * BS)
+    cache.offload(ids[1:2])
+    seen = []
+    original = xattn_jax.kv_block_scores
+
+    def spy(q_jax, k_jax, **kwargs):
+        seen.append((q_jax.unsafe_buffer_pointer(), k_jax.unsafe_buffer_pointer(),
+                     k_jax.shape, kwargs["block_table"].tolist(), kwargs["k_len"]))
+        return original(q_jax, k_jax, **kwargs)
+
+    monkeypatch.setattr(xattn_jax, "kv_block_scores", spy)
+    XAttentionPolicy(0.9, STRIDE, EBS).select_blocks(q, cache, ids)
+    ((q_ptr, k_ptr, shape, table, k_len),) = seen
+    assert q_ptr == q.data_ptr() and k_ptr == cache.keys.data_ptr()
+    assert shape == tuple(cache.keys.shape)
+    assert table == [[cache.slot(ids[0]), 8, cache.slot(ids[2]), cache.slot(ids[0])]]
+    assert k_len == 3 * BS
+
+
+def test_refusals_leave_the_cache_unchanged(rand):
+    cache, ids, q = make_cache(rand, 3 * BS + 5)  # blocks 0-3
+    cache.free(cache.allocate(1))  # 4
+    cache.offload(ids[:3])
+    policy = XAttentionPolicy(0.9, STRIDE, EBS)
+    calls = [
+        (lambda: policy.select_blocks(q.double(), cache, ids), "cache's dtype"),
+        (lambda: policy.select_blocks(q[:3], cache, ids), "multiple of the cache's 2 KV"),
+        (lambda: policy.select_blocks(q[..., :8], cache, ids), "head_dim 16"),
+        (lambda: policy.select_blocks(q[None].expand(2, -1, -1, -1), cache, ids),
+         r"q must be \[Hq, Lq, D\] or \[1, Hq, Lq, D\]"),
+        (lambda: policy.select_blocks(q.transpose(0, 1).contiguous().transpose(0, 1), cache,
+                                      ids), "q is not contiguous"),
+        (lambda: policy.select_blocks(q.numpy(), cache, ids), "q must be a torch.Tensor"),
+        (lambda: policy.select_blocks(q, "cache", ids), "cache must be a PagedKVCache"),
+        (lambda: policy.select_blocks(q, cache, ids + [99]), "block 99 is unknown"),
+        (lambda: policy.select_blocks(q, cache, [4]), "block 4 was freed"),
+        (lambda: policy.select_blocks(q, cache, []), "at least one block"),
+        (lambda: policy.select_blocks(q, cache, [3, 0]), "block 3 holds 5 of 64 tokens"),
+        (lambda: policy.select_blocks(q, cache, [0, 0]), "repeated block ids"),
+        (lambda: policy.select_blocks(q, cache, ids), "3 offloaded blocks but only 2"),
+        (lambda: XAttentionPolicy(0.9, STRIDE, 48).select_blocks(q, cache, ids),
+         r"estimate_block_size \(48\) must divide the cache's block_size \(64\)"),
+    ]
+    for call, message in calls:
+        before = snapshot(cache)
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+        assert_same(before, snapshot(cache))
+
+
+def test_empty_last_block_is_refused(rand):
+    cache, ids, q = make_cache(rand, BS)
+    ids += cache.allocate(1)
+    with pytest.raises(ValueError, match=f"the last block {ids[-1]} is empty"):
+        XAttentionPolicy(0.9, STRIDE, EBS).select_blocks(q, cache, ids)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(threshold=0), r"threshold must lie in \(0, 1\]"),
+    (dict(threshold=True), r"threshold must lie in \(0, 1\]"),
+    (dict(stride=0), "stride must be a positive integer"),
+    (dict(estimate_block_size=20), r"estimate_block_size \(20\) must be a multiple of stride"),
+    (dict(rule="max"), "rule must be one of"),
+])
+def test_constructor_checks(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        XAttentionPolicy(**kwargs)
+
+
+# --- CUDA -----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_matches_cpu_with_offloaded_blocks(rand, dtype):
+    """On CUDA (pinned CPU pool, staging on the side stream, the estimate in Pallas):
+    the reference's blocks, as on the CPU, and the same blocks once all are resident."""
+    k, v, q = context(rand, 6 * BS + 9)
+    caches = {}
+    for device in ("cpu", "cuda"):
+        cache = PagedKVCache(8, BS, HKV, D, dtype=dtype, device=device, num_cpu_blocks=4,
+                             staging_slots=3)
+        ids = cache.append([], k.to(dtype).to(device), v.to(dtype).to(device))
+        caches[device] = cache, ids
+    cache, ids = caches["cuda"]
+    cache.offload(ids[1:6:2])
+    assert cache.cpu_keys.is_pinned()
+    policy = XAttentionPolicy(0.6, STRIDE, GPU_EBS)
+    qd, eps = q.to(dtype), EPS if dtype == torch.float32 else 1e-3
+    got = check(qd.cuda(), cache, ids, policy, rand, eps)
+    check(qd, *caches["cpu"], policy, rand, eps)
+    cache.load(ids[1:6:2])
+    assert policy.select_blocks(qd.cuda(), cache, ids) == got
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_zero_copy(rand, monkeypatch):
+    cache = PagedKVCache(4, BS, HKV, D, dtype=torch.bfloat16, device="cuda", num_cpu_blocks=2)
+    k, v, q = context(rand, 2 * BS)
+    ids = cache.append([], k.bfloat16().cuda(), v.bfloat16().cuda())
+    cache.offload(ids[:1])
+    seen = []
+    original = xattn_jax.kv_block_scores
+
+    def spy(q_jax, k_jax, **kwargs):
+        seen.append(k_jax.unsafe_buffer_pointer())
+        return original(q_jax, k_jax, **kwargs)
+
+    monkeypatch.setattr(xattn_jax, "kv_block_scores", spy)
+    XAttentionPolicy(0.9, STRIDE, GPU_EBS).select_blocks(q.bfloat16().cuda(), cache, ids)
+    assert seen == [cache.keys.data_ptr()]
