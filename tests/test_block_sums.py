@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,47 +12,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import np_reference as npr
-from xattn_jax.geometry import Geometry, check_qk
+from cases import F32_RTOL, GPU_SLACK, QKCase
+from xattn_jax.geometry import check_qk
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-# float32: relative to the largest reference block sum; 1e-5 on CPU (the contract), a
-# little looser on a GPU (approximate exp2, other summation orders)
-GPU_SLACK = 1.0 if jax.default_backend() == "cpu" else 5.0
-F32_RTOL = 1e-5 * GPU_SLACK
-LOW_RTOL = 2e-3  # bfloat16/float16 inputs, against float64 on the same rounded inputs
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    k_len: int
-    head_dim: int
-    stride: int
-    block_size: int
-    causal: bool
-    dtype: object = F32
+class Case(QKCase):
     tile: int | tuple = 16
     norm: float = 1.0
-
-    def geom(self) -> Geometry:
-        return Geometry(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
-                        self.head_dim, self.stride, self.block_size)
-
-    def inputs(self, rand):
-        return rand.qk(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
-                       self.head_dim, stride=self.stride, dtype=self.dtype)
 
     def expected(self, q, k):
         return npr.block_sums(q, k, stride=self.stride, block_size=self.block_size,
                               causal=self.causal, norm=self.norm)
-
-    @property
-    def rtol(self) -> float:
-        return F32_RTOL if self.dtype == F32 else LOW_RTOL
 
 
 # block_rows = block_size / stride, compared with the (reshaped) tile of the Pallas kernel.
@@ -242,7 +214,7 @@ def test_strided_scores(impl, case, rand):
     want = npr.strided_scores(q, k, stride=case.stride, norm=case.norm)
     assert got.shape == want.shape == (case.batch, case.q_heads, rows, cols)
     err = npr.rel_err(got, want)
-    assert err <= (F32_RTOL if case.dtype == F32 else LOW_RTOL), f"{impl} {case.id} {rand}: {err}"
+    assert err <= case.rtol, f"{impl} {case.id} {rand}: {err}"
 
 
 def test_strided_scores_by_hand(rand):

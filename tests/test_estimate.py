@@ -12,30 +12,15 @@ import numpy as np
 import pytest
 
 import np_reference as npr
+from cases import QKCase
 import xattn_jax
 from xattn_jax import api
-from xattn_jax.geometry import Geometry
 
 
 @dataclasses.dataclass(frozen=True)
-class ApiCase:
-    id: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    k_len: int
-    head_dim: int
-    stride: int
-    block_size: int
-    causal: bool
-    dtype: object = jnp.float32
+class ApiCase(QKCase):
     keep_sink: bool = False
     keep_recent: bool = False
-
-    def inputs(self, rand):
-        return rand.qk(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
-                       self.head_dim, stride=self.stride, dtype=self.dtype)
 
     def run(self, q, k, threshold, impl: str):
         return xattn_jax.xattn_estimate(
@@ -47,15 +32,6 @@ class ApiCase:
     def rules(self):
         return dict(causal=self.causal, keep_sink=self.keep_sink,
                     keep_recent=self.keep_recent)
-
-    @property
-    def rtol(self):
-        return (1e-5 if jax.default_backend() == "cpu" else 5e-5) \
-            if self.dtype == jnp.float32 else 2e-3
-
-    def geom(self) -> Geometry:
-        return Geometry(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
-                        self.head_dim, self.stride, self.block_size)
 
 
 CASES = [
