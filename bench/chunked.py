@@ -1,0 +1,149 @@
+"""Times the seed's chunked-prefill selection: a chunk of queries against a KV cache.
+
+    python -m bench.chunked [--contexts 16k,32k,64k,128k] [--json PATH]
+                            [--compare-original PATH] [--small]
+
+Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV blocks
+4096, estimate blocks 1024, threshold 0.95):
+- `chunk4096-ctx{N}`: `kv_block_scores` + `select_kv_blocks` in one jitted call on a
+  contiguous cache, against the floor (strided-product FLOPs at 753 TFLOP/s);
+- `select-blocks-ctx{N}`: `XAttentionPolicy.select_blocks` end to end on a torch
+  `PagedKVCache` with two blocks offloaded to CPU memory and staged back (host time to
+  the returned ids);
+- with `--compare-original PATH`: the original kernels on the same inputs, K repeated to
+  Hq as the seed's engine does, block sums at 4096 directly (`impl` "original", the
+  seed's baseline) and at 1024 summed up to 4096 (case suffix `-hier1024`).
+`--small` shrinks every size (contexts by 8) for a CPU smoke run; there the default
+implementation is the reference and the floors mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import xattn_torch_bridge as bridge  # first: configures JAX's GPU memory
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import (floor_ms, jax_extra_mib, log, markdown_table, record,  # noqa: E402
+                          strided_flops, time_ms, write_json)
+from xattn_jax import kv_block_scores, select_kv_blocks  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    stride: int = 8
+    chunk: int = 4096
+    kv_block: int = 4096
+    estimate_block: int = 1024
+    threshold: float = 0.95
+
+
+FULL = Sizes()
+SMALL = Sizes(q_heads=4, kv_heads=2, head_dim=64, chunk=512, kv_block=512, estimate_block=128)
+
+
+def _tokens(text: str) -> int:
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def _estimate_row(name: str, context: int, sz: Sizes, original) -> list[dict]:
+    keys = jax.random.split(jax.random.PRNGKey(context), 2)
+    q = jax.random.normal(keys[0], (1, sz.q_heads, sz.chunk, sz.head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, sz.kv_heads, context, sz.head_dim), jnp.bfloat16)
+
+    def fn(q, k, k_len):
+        scores = kv_block_scores(q, k, kv_block_size=sz.kv_block,
+                                 estimate_block_size=sz.estimate_block, stride=sz.stride,
+                                 k_len=k_len)
+        return scores, select_kv_blocks(scores, threshold=sz.threshold)
+
+    args = (q, k, jnp.int32(context))
+    floor = floor_ms(strided_flops(sz.q_heads, sz.chunk, context, sz.stride, sz.head_dim,
+                                   causal=False))
+    ms = time_ms(fn, [args], warmup=3, reps=30)
+    rows = [record(f"chunk{sz.chunk}-ctx{name}", "xattn-jax", ms, floor,
+                   jax_extra_mib(fn, *args))]
+    log(f"chunk{sz.chunk}-ctx{name}: {ms:.3f} ms, {ms / floor:.2f} x floor")
+    if original is not None:
+        case = f"chunk{sz.chunk}-ctx{name}"
+        for block, label in ((sz.kv_block, case),
+                             (sz.estimate_block, f"{case}-hier{sz.estimate_block}")):
+            try:
+                orig_ms, orig_mib = original.time_kv_scores(q, k, block_size=block,
+                                                            kv_block_size=sz.kv_block,
+                                                            stride=sz.stride, reps=30)
+            except original.Unsupported as why:
+                log(f"{label}: original skipped ({why})")
+                continue
+            rows.append(record(label, "original", orig_ms, floor, orig_mib))
+            log(f"{label}: original {orig_ms:.3f} ms")
+    return rows
+
+
+def _policy_row(name: str, context: int, sz: Sizes, device: str) -> dict:
+    blocks = -(-context // sz.kv_block)
+    cache = bridge.PagedKVCache(blocks, sz.kv_block, sz.kv_heads, sz.head_dim,
+                                dtype=torch.bfloat16, device=device, num_cpu_blocks=2,
+                                staging_slots=2)
+    gen = torch.Generator(device).manual_seed(context)
+    kv = torch.randn(context, sz.kv_heads, sz.head_dim, generator=gen, device=device,
+                     dtype=torch.bfloat16)
+    ids = cache.append([], kv, kv)
+    cache.offload(ids[1:3])
+    q = torch.randn(sz.q_heads, sz.chunk, sz.head_dim, generator=gen, device=device,
+                    dtype=torch.bfloat16)
+    policy = bridge.XAttentionPolicy(sz.threshold, sz.stride, sz.estimate_block)
+    for _ in range(3):
+        policy.select_blocks(q, cache, ids)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        policy.select_blocks(q, cache, ids)  # returns host ids: the estimate has finished
+        times.append(1e3 * (time.perf_counter() - start))
+    ms = statistics.median(times)
+    floor = floor_ms(strided_flops(sz.q_heads, sz.chunk, context, sz.stride, sz.head_dim,
+                                   causal=False))
+    log(f"select-blocks-ctx{name}: {ms:.3f} ms with 2 blocks staged from CPU")
+    return record(f"select-blocks-ctx{name}", "xattn-jax", ms, floor, float("nan"))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="16k,32k,64k,128k")
+    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--compare-original", metavar="PATH",
+                        help="a checkout of mit-han-lab/x-attention to time side by side")
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU run")
+    args = parser.parse_args(argv)
+    sz = SMALL if args.small else FULL
+    device = "cuda" if bridge.cuda_available() else "cpu"
+    original = None
+    if args.compare_original:
+        from bench import original as original_module
+        original_module.load(args.compare_original)
+        original = original_module
+    records = []
+    names = args.contexts.split(",")
+    for i, text in enumerate(names):
+        context = _tokens(text) // (8 if args.small else 1)
+        name = f"{context // 1024}k"
+        log(f"[{i + 1}/{len(names)}] context {context} tokens")
+        records += _estimate_row(name, context, sz, original)
+        records.append(_policy_row(name, context, sz, device))
+        if args.json:
+            write_json(args.json, records)
+    print(f"\n{records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
+    print(markdown_table(records))
+
+
+if __name__ == "__main__":
+    main()
