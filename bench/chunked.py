@@ -60,6 +60,7 @@ def _estimate_row(name: str, context: int, sz: Sizes, original) -> list[dict]:
     q = jax.random.normal(keys[0], (1, sz.q_heads, sz.chunk, sz.head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (1, sz.kv_heads, context, sz.head_dim), jnp.bfloat16)
 
+    @jax.jit
     def fn(q, k, k_len):
         scores = kv_block_scores(q, k, kv_block_size=sz.kv_block,
                                  estimate_block_size=sz.estimate_block, stride=sz.stride,

@@ -74,6 +74,9 @@ def time_estimate(q, k, *, block_size: int, stride: int, causal: bool,
 
     if _module is None:
         raise RuntimeError("call load(PATH) first")
+    if q.size >= 2**31:  # seen on the H200 at 1M tokens x 32 heads: it broke the process's
+        # CUDA context (an illegal address), failing every later case, so never launch it
+        raise Unsupported(f"q has {q.size} >= 2^31 elements: its kernels fault there")
     q_t = torch.from_dlpack(q)
     k_t = torch.from_dlpack(k)
     group = q_t.shape[1] // k_t.shape[1]

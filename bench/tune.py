@@ -1,10 +1,12 @@
 """Measures Tiling variants of the fused block-sum kernel and checks each one first.
 
-    python -m bench.tune [--variants R,C,W,S;...] [--shapes NAME,...]
+    python -m bench.tune [--variants R,C,W,S[,SPAN[,PASSES]];...] [--shapes NAME,...]
 
 For every variant: block sums against the reference on small random inputs (float32 and
 bfloat16, causal and not, GQA, odd lengths), then the median time on each shape with the
-ratio to the floor. The table at the end is what chose `xattn_jax.tiling`.
+ratio to the floor. The table at the end is what chose `xattn_jax.tiling`. SPAN is the
+one-pass kernel's key tiles per program (0: all of a row's), PASSES 1 or 2 (0: the
+default choice).
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ import numpy as np
 from bench.common import floor_ms, log, strided_flops, time_ms
 from xattn_jax import reference
 from xattn_jax.geometry import check_qk
-from xattn_jax.pallas.block_sums import Tiling, block_sums
+from xattn_jax.pallas.block_sums import block_sums, passes_for
+from xattn_jax.pallas.tiling import Tiling
 
-SHAPES = {  # name: (Hq, Hkv, L, block_size, causal)
-    "noncausal-64k-b128": (32, 32, 65536, 128, False),
-    "noncausal-64k-b4096": (32, 32, 65536, 4096, False),
-    "causal-32k": (32, 32, 32768, 128, True),
-    "causal-64k": (32, 32, 65536, 128, True),
+SHAPES = {  # name: (Hq, Hkv, Lq, Lk, block_size, causal)
+    "noncausal-64k-b128": (32, 32, 65536, 65536, 128, False),
+    "noncausal-64k-b4096": (32, 32, 65536, 65536, 4096, False),
+    "causal-32k": (32, 32, 32768, 32768, 128, True),
+    "causal-64k": (32, 32, 65536, 65536, 128, True),
+    "chunk4096-ctx64k": (32, 8, 4096, 65536, 1024, False),
 }
-DEFAULT_VARIANTS = ("64,64,4,2;64,64,4,3;128,64,4,2;128,64,8,2;64,128,4,2;128,128,8,2;"
-                    "128,64,8,3;128,128,8,1")
+DEFAULT_VARIANTS = ("128,128,8,3,8,1;128,128,8,3,2,1;128,128,8,3,0,1;128,256,8,2,8,1;"
+                    "64,128,4,3,8,1;128,128,8,3,0,2")
 CHECKS = [  # (Hq, Hkv, Lq, Lk, block_size, causal)
     (4, 2, 1000, 1000, 128, True), (4, 4, 777, 2000, 256, False), (2, 1, 512, 1536, 64, True)]
 
@@ -36,7 +40,12 @@ def _random(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def check(tiling: Tiling) -> float:
+def _variant(text: str) -> tuple[Tiling, int | None]:
+    rows, cols, warps, stages, span, passes = (list(map(int, text.split(","))) + [0, 0])[:6]
+    return Tiling(rows, cols, warps, stages, span or None), passes or None
+
+
+def check(tiling: Tiling, passes: int | None) -> float:
     """Worst relative error of the variant's block sums over CHECKS on bf16 inputs.
 
     Both sides take the same inputs and accumulate in float32, so the error should be at
@@ -51,7 +60,8 @@ def check(tiling: Tiling) -> float:
             k = _random(kk, (1, hkv, lk, 128), dtype)
             geom = check_qk(q, k, stride=8, block_size=bs, causal=causal)
             want = reference.block_sums(q, k, geom, causal=causal, norm=1.0)
-            got = block_sums(q, k, geom=geom, causal=causal, norm=1.0, tiling=tiling)
+            got = block_sums(q, k, geom=geom, causal=causal, norm=1.0, tiling=tiling,
+                             passes=passes)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             worst = max(worst, err)
     return worst
@@ -60,37 +70,46 @@ def check(tiling: Tiling) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="rows,cols,num_warps,num_stages;... (default: %(default)s)")
+                        help="rows,cols,num_warps,num_stages[,span[,passes"
+                             "]];... (default: %(default)s)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES")
     args = parser.parse_args(argv)
-    variants = [Tiling(*map(int, v.split(","))) for v in args.variants.split(";")]
+    variants = [_variant(v) for v in args.variants.split(";")]
     rows = []
-    for tiling in variants:
-        log(f"checking {tiling}")
+    for tiling, passes in variants:
+        log(f"checking {tiling}, passes {passes or 'default'}")
         try:
-            err = check(tiling)
+            err = check(tiling, passes)
         except jax.errors.JaxRuntimeError as e:  # e.g. the tile needs too much shared memory
             log(f"  failed: {str(e).splitlines()[0]}")
             continue
         times = {}
         for name in args.shapes.split(","):
-            hq, hkv, length, bs, causal = SHAPES[name]
+            hq, hkv, q_len, k_len, bs, causal = SHAPES[name]
             keys = jax.random.split(jax.random.PRNGKey(0), 2)
-            q = _random(keys[0], (1, hq, length, 128), jnp.bfloat16)
-            k = _random(keys[1], (1, hkv, length, 128), jnp.bfloat16)
+            q = _random(keys[0], (1, hq, q_len, 128), jnp.bfloat16)
+            k = _random(keys[1], (1, hkv, k_len, 128), jnp.bfloat16)
             geom = check_qk(q, k, stride=8, block_size=bs, causal=causal)
             fn = jax.jit(lambda q, k, g=geom, c=causal: block_sums(
-                q, k, geom=g, causal=c, norm=1.0, tiling=tiling))
-            times[name] = time_ms(fn, [(q, k)], warmup=2, reps=10)
-            floor = floor_ms(strided_flops(hq, length, length, 8, 128, causal))
-            log(f"  {name}: {times[name]:.3f} ms ({times[name] / floor:.2f} x floor)")
-        rows.append((tiling, err, times))
-    print("| rows | cols | warps | stages | check err | " + " | ".join(
-        f"{n} ms" for n in args.shapes.split(",")) + " |")
-    print("|---" * (5 + len(args.shapes.split(","))) + "|")
-    for tiling, err, times in rows:
+                q, k, geom=g, causal=c, norm=1.0, tiling=tiling, passes=passes))
+            try:
+                times[name] = time_ms(fn, [(q, k)], warmup=2, reps=10)
+            except jax.errors.JaxRuntimeError as e:
+                log(f"  {name}: failed: {str(e).splitlines()[0]}")
+                times[name] = float("nan")
+                continue
+            floor = floor_ms(strided_flops(hq, q_len, k_len, 8, 128, causal))
+            used = passes or passes_for(geom, tiling)
+            log(f"  {name}: {times[name]:.3f} ms ({times[name] / floor:.2f} x floor), "
+                f"{used} pass(es)")
+        rows.append((tiling, passes, err, times))
+    print("| rows | cols | warps | stages | span | passes | check err | "
+          + " | ".join(f"{n} ms" for n in args.shapes.split(",")) + " |")
+    print("|---" * (7 + len(args.shapes.split(","))) + "|")
+    for tiling, passes, err, times in rows:
         print(f"| {tiling.rows} | {tiling.cols} | {tiling.num_warps} | {tiling.num_stages} | "
-              f"{err:.1e} | " + " | ".join(f"{t:.3f}" for t in times.values()) + " |")
+              f"{tiling.span or 'all'} | {passes or 'auto'} | {err:.1e} | "
+              + " | ".join(f"{t:.3f}" for t in times.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -121,24 +121,32 @@ def _tile_pair(tile) -> tuple[int, int]:
 
 
 def pallas_block_sums(q, k, geom: Geometry, *, causal: bool, norm: float, tile,
-                      interpret: bool) -> jax.Array:
-    """Calls the Pallas block-sum kernel with a (rows, cols) or square tile."""
+                      interpret: bool, passes: int | None = None) -> jax.Array:
+    """Calls the Pallas block-sum kernel with a (rows, cols) or square tile; `passes`
+    picks the one- or two-pass kernel (None: the default choice)."""
     from xattn_jax.pallas.block_sums import block_sums
     from xattn_jax.pallas.tiling import Tiling
 
     rows, cols = _tile_pair(tile)
     return block_sums(q, k, geom=geom, causal=causal, norm=norm,
-                      tiling=Tiling(rows=rows, cols=cols), interpret=interpret)
+                      tiling=Tiling(rows=rows, cols=cols), passes=passes,
+                      interpret=interpret)
 
 
 class Impl:
-    """One implementation of the estimate's stages, returning numpy arrays."""
+    """One implementation of the estimate's stages, returning numpy arrays.
+
+    name: "reference", "interpret" or "gpu", optionally with the block-sum kernel's pass
+    count ("interpret/1", "gpu/2").
+    """
 
     def __init__(self, name: str):
         self.name = name
-        self.pallas = name != "reference"
-        self.interpret = name == "interpret"
-        self.api = "reference" if name == "reference" else "pallas"
+        backend, _, passes = name.partition("/")
+        self.passes = int(passes) if passes else None
+        self.pallas = backend != "reference"
+        self.interpret = backend == "interpret"
+        self.api = "reference" if backend == "reference" else "pallas"
 
     def __repr__(self) -> str:
         return f"Impl({self.name})"
@@ -149,7 +157,7 @@ class Impl:
             out = _ref_block_sums(q, k, geom, causal=causal, norm=norm)
         else:
             out = pallas_block_sums(q, k, geom, causal=causal, norm=norm, tile=tile,
-                                    interpret=self.interpret)
+                                    interpret=self.interpret, passes=self.passes)
         assert out.dtype == jnp.float32
         return np.asarray(out)
 
@@ -179,10 +187,13 @@ class Impl:
 
 IMPL_PARAMS = ["reference", "interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
 PALLAS_PARAMS = ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+# the block-sum kernels, each pass count on its own
+KERNEL_PARAMS = ["interpret/1", "interpret/2", pytest.param("gpu/1", marks=pytest.mark.gpu),
+                 pytest.param("gpu/2", marks=pytest.mark.gpu)]
 
 
 def _make_impl(name: str) -> Impl:
-    if name == "gpu" and not on_gpu():
+    if name.startswith("gpu") and not on_gpu():
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
     return Impl(name)
 
@@ -196,6 +207,18 @@ def impl(request) -> Impl:
 @pytest.fixture(params=PALLAS_PARAMS)
 def pallas_impl(request) -> Impl:
     """The Pallas implementations only (tile-dependent properties)."""
+    return _make_impl(request.param)
+
+
+@pytest.fixture(params=["reference"] + KERNEL_PARAMS)
+def kernel_impl(request) -> Impl:
+    """The reference and both block-sum kernels (one pass, two passes) on each backend."""
+    return _make_impl(request.param)
+
+
+@pytest.fixture(params=KERNEL_PARAMS)
+def kernel_pallas_impl(request) -> Impl:
+    """Both block-sum kernels on each Pallas backend."""
     return _make_impl(request.param)
 
 

@@ -4,6 +4,8 @@ the float64 numpy reference (and the Pallas kernels against the JAX reference)."
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -72,37 +74,38 @@ def _run(impl, case: Case, q, k, **kw):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_block_sums_match_float64_reference(impl, reference_impl, case, rand):
+def test_block_sums_match_float64_reference(kernel_impl, reference_impl, case, rand):
     q, k = case.inputs(rand)
-    got = _run(impl, case, q, k)
+    got = _run(kernel_impl, case, q, k)
     want = case.expected(q, k)
     qb, kb = -(-case.q_len // case.block_size), -(-case.k_len // case.block_size)
     assert got.shape == (case.batch, case.q_heads, qb, kb), f"{rand}"
     assert np.all(np.isfinite(got)), f"{rand}: non-finite block sums"
     err = npr.rel_err(got, want)
-    assert err <= case.rtol, f"{impl} {case.id} {rand}: relative error {err:.3g} > {case.rtol}"
-    if impl.pallas:  # the kernel against the JAX reference on the same inputs
+    assert err <= case.rtol, \
+        f"{kernel_impl} {case.id} {rand}: relative error {err:.3g} > {case.rtol}"
+    if kernel_impl.pallas:  # the kernel against the JAX reference on the same inputs
         want32 = reference_impl.block_sums(q, k, case.geom(), causal=case.causal,
                                            norm=case.norm)
         err32 = npr.rel_err(got, want32)
-        assert err32 <= case.rtol, f"{impl} vs reference {case.id} {rand}: {err32:.3g}"
+        assert err32 <= case.rtol, f"{kernel_impl} vs reference {case.id} {rand}: {err32:.3g}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_row_sums_count_real_rows(impl, case, rand):
+def test_row_sums_count_real_rows(kernel_impl, case, rand):
     """Each softmax row sums to 1: a full query block's row sums to block_size / stride,
     the partial last block to the number of its reshaped rows holding a real token."""
     q, k = case.inputs(rand)
-    got = _run(impl, case, q, k).astype(np.float64)
+    got = _run(kernel_impl, case, q, k).astype(np.float64)
     want = npr.real_rows_per_block(case.q_len, case.stride, case.block_size)
     rows = got.sum(axis=-1)
     np.testing.assert_allclose(rows, np.broadcast_to(want, rows.shape), rtol=1e-5,
-                               err_msg=f"{impl} {case.id} {rand}")
+                               err_msg=f"{kernel_impl} {case.id} {rand}")
     assert want[0] == min(case.block_size // case.stride, -(-case.q_len // case.stride))
     if case.causal:  # nothing after the diagonal
         qb, kb = got.shape[-2:]
         after = np.arange(kb)[None, :] > np.arange(qb)[:, None] + (kb - qb)
-        assert np.all(got[..., after] == 0), f"{impl} {case.id} {rand}: mass after diagonal"
+        assert np.all(got[..., after] == 0), f"{kernel_impl} {case.id} {rand}: mass after diagonal"
 
 
 # --- padding never changes a result ----------------------------------------------------
@@ -111,12 +114,12 @@ TILE_CASES = [CASES[4], CASES[1]]  # causal bs48 (Lq < Lk), non-causal bs12 GQA
 
 
 @pytest.mark.parametrize("case", TILE_CASES, ids=[c.id for c in TILE_CASES])
-def test_pallas_tile_size_does_not_change_result(pallas_impl, case, rand):
+def test_pallas_tile_size_does_not_change_result(kernel_pallas_impl, case, rand):
     """The kernel pads to whole tiles: tiles of 16, 32 and 64 (and non-square ones where
     the kernel takes them) give the same block sums to float32 rounding."""
     q, k = case.inputs(rand)
     tiles = [16, 32, 64] if case is CASES[4] else [16, 32]
-    results = {t: _run(pallas_impl, case, q, k, tile=t) for t in tiles}
+    results = {t: _run(kernel_pallas_impl, case, q, k, tile=t) for t in tiles}
     want = case.expected(q, k)
     for t, got in results.items():
         assert npr.rel_err(got, want) <= F32_RTOL, f"tile {t} vs float64 {rand}"
@@ -125,19 +128,46 @@ def test_pallas_tile_size_does_not_change_result(pallas_impl, case, rand):
 
 
 @pytest.mark.parametrize("tile", [(16, 32), (32, 16)], ids=["16x32", "32x16"])
-def test_pallas_non_square_tiles(pallas_impl, tile, rand):
+def test_pallas_non_square_tiles(kernel_pallas_impl, tile, rand):
     case = CASES[4]
     q, k = case.inputs(rand)
-    got = _run(pallas_impl, case, q, k, tile=tile)
+    got = _run(kernel_pallas_impl, case, q, k, tile=tile)
     err = npr.rel_err(got, case.expected(q, k))
     assert err <= F32_RTOL, f"tile {tile}: {err:.3g} {rand}"
+
+
+SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # 3, 3 and 4 row steps
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_one_pass_in_several_calls(pallas_impl, case, rand):
+    """With a scratch bound of one row step, the one-pass kernel covers the query rows in
+    several calls (lax.map over row steps): the same block sums as one call."""
+    from xattn_jax.pallas.block_sums import block_sums
+    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.tiling import Tiling
+
+    geom, tiling = case.geom(), Tiling(case.tile, case.tile)
+    step = math.lcm(case.tile, geom.block_rows)
+    bound = row_scratch_bytes(geom, tiling) * step
+    assert rows_per_call(geom, tiling, bound) == step < geom.q_rows, "not several calls"
+    assert rows_per_call(geom, tiling, bound - 1) is None
+    q, k = case.inputs(rand)
+    run = functools.partial(block_sums, q, k, geom=geom, causal=case.causal, norm=case.norm,
+                            tiling=tiling, passes=1, interpret=pallas_impl.interpret)
+    split, whole = np.asarray(run(max_scratch_bytes=bound)), np.asarray(run())
+    assert split.shape == whole.shape
+    assert npr.rel_err(split, case.expected(q, k)) <= F32_RTOL, f"{case.id} {rand}"
+    assert npr.rel_err(split, whole) <= 2e-6 * GPU_SLACK, f"{case.id} {rand}"
+    with pytest.raises(ValueError, match="max_scratch_bytes"):
+        run(max_scratch_bytes=bound - 1)
 
 
 PAD_CASES = [CASES[12], CASES[1]]  # c130 (-> 136), nc37x131 s4 (-> 40 x 132)
 
 
 @pytest.mark.parametrize("case", PAD_CASES, ids=[c.id for c in PAD_CASES])
-def test_explicit_zero_padding_to_stride_changes_nothing(impl, case, rand):
+def test_explicit_zero_padding_to_stride_changes_nothing(kernel_impl, case, rand):
     """Zero tokens appended up to a whole stride group are exactly what a partly padded
     group reads: the block sums must not change."""
     q, k = case.inputs(rand)
@@ -146,29 +176,29 @@ def test_explicit_zero_padding_to_stride_changes_nothing(impl, case, rand):
     kp = jnp.pad(k, ((0, 0), (0, 0), (0, -case.k_len % s), (0, 0)))
     padded = dataclasses.replace(case, q_len=qp.shape[2], k_len=kp.shape[2])
     assert padded.q_len != case.q_len or padded.k_len != case.k_len
-    got = _run(impl, case, q, k)
-    got_padded = _run(impl, padded, qp, kp)
+    got = _run(kernel_impl, case, q, k)
+    got_padded = _run(kernel_impl, padded, qp, kp)
     assert got.shape == got_padded.shape
     err = npr.rel_err(got_padded, got)
     assert err <= 1e-6 * GPU_SLACK, \
-        f"{impl} {case.id} {rand}: explicit padding changed sums by {err:.3g}"
+        f"{kernel_impl} {case.id} {rand}: explicit padding changed sums by {err:.3g}"
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-def test_padded_query_rows_add_nothing(impl, causal, rand):
+def test_padded_query_rows_add_nothing(kernel_impl, causal, rand):
     """Causal Lq = Lk = 131, block 64, stride 8: the last query block holds one real
     reshaped row (tokens 128..130, which sees every key) and 7 padded rows. It must equal
     a call (causal, or non-causal: the row sees every key either way) with only those 3
     query tokens, whose single block is one real row and 7 padded rows too."""
     case = CASES[0]  # c131_s8_bs64_gqa1, causal
     q, k = case.inputs(rand)
-    full = _run(impl, case, q, k)
+    full = _run(kernel_impl, case, q, k)
     tail = dataclasses.replace(case, q_len=3, causal=causal)
-    last = _run(impl, tail, q[:, :, 128:], k)
+    last = _run(kernel_impl, tail, q[:, :, 128:], k)
     assert full.shape[-2] == 3 and last.shape[-2] == 1
     np.testing.assert_allclose(last[..., 0, :].sum(-1), 1.0, rtol=1e-5, err_msg=str(rand))
     np.testing.assert_allclose(full[..., 2, :], last[..., 0, :], rtol=1e-5, atol=1e-7,
-                               err_msg=f"{impl} causal={causal} {rand}")
+                               err_msg=f"{kernel_impl} causal={causal} {rand}")
 
 
 # --- hierarchical sums -----------------------------------------------------------------
@@ -182,18 +212,18 @@ HIER = [
 
 
 @pytest.mark.parametrize("case,factors", HIER, ids=[c.id for c, _ in HIER])
-def test_hierarchical_block_sums(impl, case, factors, rand):
+def test_hierarchical_block_sums(kernel_impl, case, factors, rand):
     """Block sums at m * block_size are the m x m tile sums of those at block_size."""
     q, k = case.inputs(rand)
-    small = _run(impl, case, q, k)
+    small = _run(kernel_impl, case, q, k)
     for m in factors:
         big_case = dataclasses.replace(case, block_size=m * case.block_size)
-        big = _run(impl, big_case, q, k)
+        big = _run(kernel_impl, big_case, q, k)
         want = npr.tile_sums(small, m)
         assert big.shape == want.shape, f"m={m}: {big.shape} vs {want.shape}"
         err = npr.rel_err(big, want)
         assert err <= 2e-6 * GPU_SLACK, \
-            f"{impl} m={m} {rand}: hierarchical sums off by {err:.3g}"
+            f"{kernel_impl} m={m} {rand}: hierarchical sums off by {err:.3g}"
         assert npr.rel_err(big, big_case.expected(q, k)) <= F32_RTOL, f"m={m} {rand}"
 
 
@@ -250,9 +280,9 @@ def shapes(draw):
                 tile=tile), seed
 
 
-def test_random_shapes_against_float64(impl, rand_factory):
+def test_random_shapes_against_float64(kernel_impl, rand_factory):
 
-    @settings(max_examples=4 if impl.pallas else 8, deadline=None, derandomize=False,
+    @settings(max_examples=4 if kernel_impl.pallas else 8, deadline=None, derandomize=False,
               suppress_health_check=[HealthCheck.too_slow])
     @given(shapes())
     def check(drawn):
@@ -260,9 +290,9 @@ def test_random_shapes_against_float64(impl, rand_factory):
         rand = rand_factory(seed)
         q, k = case.inputs(rand)
         check_qk(q, k, stride=case.stride, block_size=case.block_size, causal=case.causal)
-        got = _run(impl, case, q, k)
+        got = _run(kernel_impl, case, q, k)
         err = npr.rel_err(got, case.expected(q, k))
-        assert err <= F32_RTOL, f"{impl} {case} {rand}: {err:.3g}"
+        assert err <= F32_RTOL, f"{kernel_impl} {case} {rand}: {err:.3g}"
         rows = got.astype(np.float64).sum(-1)
         want = npr.real_rows_per_block(case.q_len, case.stride, case.block_size)
         np.testing.assert_allclose(rows, np.broadcast_to(want, rows.shape), rtol=1e-5,

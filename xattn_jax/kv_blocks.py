@@ -130,31 +130,40 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
                       per_query_block=bool(per_query_block), backend=resolve_backend(impl))
 
 
-def _valid_blocks(num_valid, batch: int, blocks: int) -> jax.Array:
-    """bool `[B, 1, n]`: blocks in use (the first num_valid of each batch element)."""
+def _valid_counts(num_valid, batch: int, blocks: int):
+    """Blocks in use per batch element, int32 `[B]` (the first num_valid are)."""
     if num_valid is None:
-        return jnp.ones((batch, 1, blocks), bool)
-    if isinstance(num_valid, (int, np.integer)) and not 1 <= num_valid <= blocks:
-        raise ValueError(f"num_valid must lie in [1, {blocks}], got {num_valid}")
-    counts = jnp.broadcast_to(jnp.asarray(num_valid, jnp.int32), (batch,))
-    return jnp.arange(blocks)[None, None, :] < counts[:, None, None]
+        return np.full((batch,), blocks, np.int32)
+    if isinstance(num_valid, (int, np.integer)) and not isinstance(num_valid, bool):
+        if not 1 <= num_valid <= blocks:
+            raise ValueError(f"num_valid must lie in [1, {blocks}], got {num_valid}")
+        return np.full((batch,), num_valid, np.int32)
+    if getattr(num_valid, "shape", None) not in ((), (batch,)):
+        raise ValueError(f"num_valid must be an int, or ints of shape [] or [{batch}], got "
+                         f"{num_valid!r}")
+    return jnp.broadcast_to(jnp.asarray(num_valid, jnp.int32), (batch,))
 
 
-def _groups(scores: jax.Array, per_kv_head: bool, kv_heads) -> jax.Array:
-    """scores `[B, Hq, ...]` -> `[B, G, Hq / G, ...]`, G = kv_heads or 1."""
-    heads = scores.shape[1]
+def _check_groups(heads: int, per_kv_head: bool, kv_heads) -> int:
+    """G: the selection's groups of query heads (kv_heads of them, or 1)."""
     if not per_kv_head:
-        return scores[:, None]
+        return 1
     if not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"per_kv_head=True needs kv_heads, a divisor of the {heads} query "
                          f"heads, got {kv_heads!r}")
-    return scores.reshape(scores.shape[0], kv_heads, heads // kv_heads, *scores.shape[2:])
+    return int(kv_heads)
 
 
-@functools.partial(jax.jit, static_argnames=("rule",))
-def _select_kv(groups, valid, threshold, *, rule: str):
-    """groups `[B, G, heads, n]` (score) or `[B, G, heads, R, n]` (vote); valid `[B, 1, n]`.
-    Returns bool `[B, G, n]` before the kept first and last blocks."""
+@functools.partial(jax.jit, static_argnames=("rule", "groups", "keep_first", "keep_last",
+                                             "per_kv_head"))
+def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first: bool,
+               keep_last: bool, per_kv_head: bool):
+    """scores `[B, Hq, n]` (score) or `[B, Hq, R, n]` (vote); counts int32 `[B]`.
+    Returns bool `[B, G, n]` per KV head, else `[B, n]`."""
+    scores = scores.astype(jnp.float32)
+    groups = scores.reshape(scores.shape[0], groups, -1, *scores.shape[2:])
+    j = jnp.arange(scores.shape[-1])
+    valid = j[None, None, :] < counts[:, None, None]  # [B, 1, n]
     if rule == "score":
         mass, ok = groups.mean(axis=2), valid
     else:
@@ -165,7 +174,10 @@ def _select_kv(groups, valid, threshold, *, rule: str):
     take = jnp.where(jnp.isfinite(total) & (total > 0), take, ok)
     if rule == "vote":  # strict majority of the group's rows (query heads x query blocks)
         take = take.sum(axis=(2, 3)) * 2 > take.shape[2] * take.shape[3]
-    return take
+    last = valid.sum(axis=-1, keepdims=True) - 1
+    keep = ((j == 0) & keep_first) | ((j == last) & keep_last)
+    mask = (take | keep) & valid
+    return mask if per_kv_head else mask[:, 0]
 
 
 def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: bool = True,
@@ -198,11 +210,7 @@ def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: 
     if isinstance(threshold, bool) or not 0 < float(threshold) <= 1:
         raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
     batch, blocks = scores.shape[0], scores.shape[-1]
-    valid = _valid_blocks(num_valid, batch, blocks)
-    take = _select_kv(_groups(scores.astype(jnp.float32), per_kv_head, kv_heads), valid,
-                      jnp.float32(threshold), rule=rule)
-    j = jnp.arange(blocks)
-    last = valid.sum(axis=-1, keepdims=True) - 1
-    keep = ((j == 0) & keep_first) | ((j == last) & keep_last)
-    mask = (take | keep) & valid
-    return mask if per_kv_head else mask[:, 0]
+    return _select_kv(scores, _valid_counts(num_valid, batch, blocks), np.float32(threshold),
+                      rule=rule, groups=_check_groups(scores.shape[1], per_kv_head, kv_heads),
+                      keep_first=bool(keep_first), keep_last=bool(keep_last),
+                      per_kv_head=bool(per_kv_head))

@@ -67,27 +67,37 @@ def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
         mask=mask, other=0)
 
 
-def score_tile(q_ref, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
-               scale: float) -> jax.Array:
-    """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols).
+def member_product(q_ref, load_keys, row0, col0, member, *, rows: int, cols: int,
+                   geom: Geometry) -> jax.Array:
+    """Stride member `member`'s share of the strided product: float32 `[rows, cols]`.
 
-    q_ref: `[Lq, D]` (one batch and query head); load_keys(tokens) returns its key head's
-    token rows as `[n, D_pad]` (`load_tokens` or `load_paged_tokens` with the real key
-    count bound). Returns float32 `[rows, cols]`: the strided products times `scale` (A
-    is scale = 1 / (sqrt(D) * S * norm)); rows and columns past the real tokens see zeros.
+    Reshaped row i holds query tokens i*S + S-1, ..., i*S (its group read in reverse) and
+    column j key tokens j*S, ..., j*S + S-1, so member m pairs query token i*S + S-1-m
+    with key token j*S + m. q_ref: `[Lq, D]` (one batch and query head); load_keys(tokens)
+    returns its key head's token rows as `[n, D_pad]` (`load_tokens` or
+    `load_paged_tokens` with the real key count bound). Rows and columns past the real
+    tokens read zeros.
     """
     s = geom.stride
-    row_ids = row0 + jnp.arange(rows)
-    col_ids = col0 + jnp.arange(cols)
     precision = (jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
+    q_part = load_tokens(q_ref, (row0 + jnp.arange(rows)) * s + (s - 1 - member), geom.q_len,
+                         geom.head_dim)
+    k_part = load_keys((col0 + jnp.arange(cols)) * s + member)
+    return plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
 
-    def add_member(member, acc):  # query group read in reverse, key group forward
-        q_part = load_tokens(q_ref, row_ids * s + (s - 1 - member), geom.q_len, geom.head_dim)
-        k_part = load_keys(col_ids * s + member)
-        return acc + plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
 
-    acc = jax.lax.fori_loop(0, s, add_member, jnp.zeros((rows, cols), jnp.float32))
+def score_tile(q_ref, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
+               scale: float) -> jax.Array:
+    """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols): float32
+    `[rows, cols]`, the sum of the S member products times `scale` (A is scale =
+    1 / (sqrt(D) * S * norm)). Arguments as `member_product`.
+    """
+    def add_member(member, acc):
+        return acc + member_product(q_ref, load_keys, row0, col0, member, rows=rows,
+                                    cols=cols, geom=geom)
+
+    acc = jax.lax.fori_loop(0, geom.stride, add_member, jnp.zeros((rows, cols), jnp.float32))
     return acc * jnp.float32(scale)
 
 

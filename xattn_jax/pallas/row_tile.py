@@ -1,0 +1,111 @@
+"""What the fused block-sum kernels share: one program's query rows, where its keys come
+from, which key tiles it sees, and its masked score tiles (ESTIMATE.md section 1 plus the
+causal and padding masks of section 2).
+
+A program owns `tiling.rows` reshaped query rows of one (batch, query head): grid axes 0
+and 1 are the batch and the query head, axis 2 the row tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from xattn_jax.geometry import Geometry
+from xattn_jax.pallas.strided_scores import (load_paged_tokens, load_tokens, member_product,
+                                             qk_specs, score_tile)
+from xattn_jax.pallas.tiling import Tiling
+
+LOG2_E = 1.4426950408889634
+
+
+class RowTile:
+    """Rows [row0, row0 + rows) of one (batch, query head), inside a kernel.
+
+    q_ref: `[Lq, D]`; k_ref: `[Lk, D]`, or the whole paged cache with `table_ref` (that
+    sequence's block table); scalars_ref: int32 `[2]`, the real keys (a padded cache
+    buffer holds fewer than Lk) and the first row of grid row tile 0 (a call may cover
+    only some of the rows).
+    """
+
+    def __init__(self, q_ref, k_ref, table_ref, scalars_ref, *, geom: Geometry,
+                 causal: bool, norm: float, tiling: Tiling):
+        self.geom, self.causal, self.norm, self.tiling = geom, causal, norm, tiling
+        self.q_ref = q_ref
+        rows, cols = tiling.rows, tiling.cols
+        self.row0 = scalars_ref[1] + pl.program_id(2) * rows
+        self.row_ids = self.row0 + jnp.arange(rows)
+        self.row_real = self.row_ids < geom.q_rows
+        k_len = scalars_ref[0]
+        self.k_cols = (k_len + geom.stride - 1) // geom.stride
+        if table_ref is None:
+            self.load_keys = functools.partial(load_tokens, k_ref, length=k_len,
+                                               head_dim=geom.head_dim)
+        else:
+            self.load_keys = functools.partial(load_paged_tokens, k_ref, table_ref,
+                                               pl.program_id(1) // geom.group,
+                                               length=k_len, head_dim=geom.head_dim)
+        if causal:
+            last_row = jnp.minimum(self.row0 + rows, geom.q_rows) - 1
+            last_col = jnp.minimum(last_row + geom.row_offset, self.k_cols - 1)
+            visible = last_col // cols + 1
+        else:
+            visible = (self.k_cols + cols - 1) // cols
+        # Key tiles 0 .. visible_tiles - 1 hold a column some row sees; a row tile made
+        # only of padding sees nothing.
+        self.visible_tiles = jax.lax.select(self.row0 < geom.q_rows, visible, jnp.int32(0))
+
+    @property
+    def _scale(self) -> float:
+        return self.geom.scale / self.norm * LOG2_E
+
+    def scores(self, col_tile) -> jax.Array:
+        """float32 `[rows, cols]`: A * log2(e) of key tile `col_tile`, -inf where a row may
+        not see a column (past the real keys, or after the diagonal)."""
+        rows, cols = self.tiling.rows, self.tiling.cols
+        a = score_tile(self.q_ref, self.load_keys, self.row0, col_tile * cols, rows=rows,
+                       cols=cols, geom=self.geom, scale=self._scale)
+        return self._mask(a, col_tile)
+
+    def member_product(self, col_tile, member) -> jax.Array:
+        """One stride member's share of key tile `col_tile`'s product, unscaled; `finish`
+        turns the sum over every member into `scores(col_tile)`."""
+        return member_product(self.q_ref, self.load_keys, self.row0,
+                              col_tile * self.tiling.cols, member, rows=self.tiling.rows,
+                              cols=self.tiling.cols, geom=self.geom)
+
+    def finish(self, product: jax.Array, col_tile) -> jax.Array:
+        return self._mask(product * jnp.float32(self._scale), col_tile)
+
+    def _mask(self, a: jax.Array, col_tile) -> jax.Array:
+        col_ids = col_tile * self.tiling.cols + jnp.arange(self.tiling.cols)
+        seen = (col_ids < self.k_cols)[None, :]
+        if self.causal:
+            seen = seen & (col_ids[None, :] <= self.row_ids[:, None] + self.geom.row_offset)
+        return jnp.where(seen, a, -jnp.inf)
+
+
+def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0):
+    """`(in_specs, operands)` of a kernel taking RowTile's refs: q, k, [block table],
+    scalars (key_len, default all Lk; first_row, an int or a traced int32)."""
+    if key_len is None:
+        key_len = jnp.full((1,), geom.k_len, jnp.int32)
+    scalars = jnp.concatenate([key_len.astype(jnp.int32).reshape(1),
+                               jnp.asarray(first_row, jnp.int32).reshape(1)])
+    scalars_spec = pl.BlockSpec((2,), lambda *_: (0,))
+    if block_table is None:
+        return qk_specs(geom) + [scalars_spec], (q, k, scalars)
+    pages = pl.BlockSpec(k.shape, lambda *_: (0,) * k.ndim)
+    table = pl.BlockSpec((None, block_table.shape[1]), lambda b, *_: (b, 0))
+    return ([qk_specs(geom)[0], pages, table, scalars_spec],
+            (q, k, block_table.astype(jnp.int32), scalars))
+
+
+def row_tile_refs(refs, paged: bool):
+    """Splits a kernel's refs after q and k: `(table_ref or None, scalars_ref, outputs)`."""
+    if paged:
+        return refs[0], refs[1], refs[2:]
+    return None, refs[0], refs[1:]

@@ -1,0 +1,102 @@
+"""Sections 2-3 in two passes over the key tiles; nothing but the block sums is stored.
+
+Each program owns `tiling.rows` reshaped query rows (`RowTile`) and walks the key tiles it
+sees twice:
+
+1. row statistics: the running maximum m and the sum l of 2^(A' - m) per row (online
+   softmax in base 2: A' = A * log2(e), the factor folded into the score scale);
+2. block sums: 2^(A' - m) / l per element, summed over `fine x fine` squares and stored.
+
+`fine` = gcd(block_rows, rows, cols) is the internal block: block sums at `block_size` are
+sums of (block_rows / fine)^2 fine blocks (ESTIMATE.md section 3, hierarchical sums), so
+the work per element is the same for every block size. Causal programs stop at their last
+visible key tile and write zeros beyond it. It computes every score twice, but needs no
+memory beyond its output: the fallback of `one_pass` when that one's scratch is too big.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from xattn_jax.geometry import Geometry
+from xattn_jax.pallas.row_tile import RowTile, key_operands, row_tile_refs
+from xattn_jax.pallas.tiling import Tiling
+
+
+def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
+                     tiling: Tiling, paged: bool):
+    table_ref, scalars_ref, (out_ref,) = row_tile_refs(refs, paged)
+    tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
+                   norm=norm, tiling=tiling)
+    rows, cols = tiling.rows, tiling.cols
+    fine = tiling.fine(geom)
+    per_block = geom.block_rows // fine
+    out_rows, out_cols = geom.q_blocks * per_block, geom.k_blocks * per_block
+    visible_tiles = tile.visible_tiles
+
+    def row_stats(col_tile, carry):
+        m, l = carry
+        a = tile.scores(col_tile)
+        m_new = jnp.maximum(m, a.max(axis=1))
+        l = l * jnp.exp2(m - m_new) + jnp.exp2(a - m_new[:, None]).sum(axis=1)
+        return m_new, l
+
+    m, l = jax.lax.fori_loop(
+        0, visible_tiles, row_stats,
+        (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)))
+    weight = jnp.where(tile.row_real, 1.0 / l, 0.0)  # padded query rows add nothing
+
+    out_row0 = pl.program_id(2) * (rows // fine)
+    out_row_real = (out_row0 + jnp.arange(rows // fine)) < out_rows
+
+    def store(col_tile, sums):
+        out_col0 = col_tile * (cols // fine)
+        mask = out_row_real[:, None] \
+            & ((out_col0 + jnp.arange(cols // fine)) < out_cols)[None, :]
+        plgpu.store(out_ref.at[pl.ds(out_row0, rows // fine), pl.ds(out_col0, cols // fine)],
+                    sums, mask=mask)
+
+    def write_sums(col_tile, carry):
+        p = jnp.exp2(tile.scores(col_tile) - m[:, None]) * weight[:, None]
+        p = jnp.where(tile.row_real[:, None], p, 0.0)
+        store(col_tile, p.reshape(rows // fine, fine, cols // fine, fine).sum(axis=(1, 3)))
+        return carry
+
+    def write_zeros(i, carry):  # loops from 0: a traced lower bound trips jax 0.11.2
+        store(visible_tiles + i, jnp.zeros((rows // fine, cols // fine), jnp.float32))
+        return carry
+
+    all_tiles = pl.cdiv(out_cols * fine, cols)
+    jax.lax.fori_loop(0, visible_tiles, write_sums, None)
+    jax.lax.fori_loop(0, all_tiles - visible_tiles, write_zeros, None)
+
+
+def two_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
+                        block_table, tiling: Tiling, interpret: bool) -> jax.Array:
+    """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`)."""
+    fine = tiling.fine(geom)
+    per_block = geom.block_rows // fine
+    out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
+                 geom.k_blocks * per_block)
+    in_specs, operands = key_operands(q, k, key_len, block_table, geom)
+    kernel = functools.partial(_two_pass_kernel, geom=geom, causal=causal, norm=norm,
+                               tiling=tiling, paged=block_table is not None)
+    sums = pl.pallas_call(
+        kernel,
+        grid=(geom.batch, geom.q_heads, pl.cdiv(out_shape[2] * fine, tiling.rows)),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None) + out_shape[2:], lambda b, h, *_: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                             num_stages=tiling.num_stages),
+        interpret=interpret,
+    )(*operands)
+    if per_block == 1:
+        return sums
+    b, h = sums.shape[:2]
+    return sums.reshape(b, h, geom.q_blocks, per_block, geom.k_blocks, per_block).sum((3, 5))
