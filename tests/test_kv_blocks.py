@@ -194,3 +194,33 @@ def test_paged_errors(pages, table, match, seed):
     with pytest.raises(ValueError, match=match):
         kv_block_scores(q, jnp.asarray(pages, jnp.float32), block_table=jnp.asarray(table),
                         kv_block_size=128, estimate_block_size=64)
+
+
+@pytest.mark.parametrize("passes", [1, 2], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("paged", [False, True], ids=["buffer", "paged"])
+def test_both_kernels_read_key_len_and_pages(passes, paged, seed):
+    """Each block-sum kernel, on a buffer padded past k_len (NaN there) or on a shuffled
+    page pool read through a block table, equals the reference on the k_len real keys."""
+    from xattn_jax import reference
+    from xattn_jax.geometry import check_qk
+    from xattn_jax.pallas.block_sums import block_sums
+
+    rng, q, k = _chunk(seed, q_len=96, capacity=512)
+    k_len = 333
+    k = k.at[:, :, k_len:].set(jnp.nan)
+    geom = check_qk(q, k, stride=8, block_size=64, causal=False)
+    want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
+    args = dict(geom=geom, causal=False, norm=1.0, key_len=jnp.full((1,), k_len, jnp.int32),
+                passes=passes, interpret=not ON_GPU)
+    if paged:
+        page_size = 64
+        table = rng.permutation(12)[:512 // page_size]
+        pool = np.full((12, page_size, 2, 16), np.nan, np.float32)
+        for i, page in enumerate(table):
+            pool[page] = np.asarray(k[0, :, i * page_size:(i + 1) * page_size]).swapaxes(0, 1)
+        got = block_sums(q, jnp.asarray(pool), block_table=jnp.asarray(table[None], jnp.int32),
+                         **args)
+    else:
+        got = block_sums(q, k, **args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL,
+                               atol=RTOL * float(want.max()), err_msg=f"seed={seed}")
