@@ -2,9 +2,8 @@
 never storing the score matrix. Two kernels do it:
 
 - `one_pass`: every score once; stores two small row statistics per row and key tile
-  and combines them exactly afterwards. Its scratch is bounded by
-  `ONE_PASS_MAX_SCRATCH_BYTES`: longer calls cover the query rows in several kernel
-  calls, one after another;
+  and combines them exactly afterwards. Its scratch is bounded (`scratch_bound`): longer
+  calls cover the query rows in several kernel calls, one after another;
 - `two_pass`: every score twice (row statistics, then block sums); no scratch. Used only
   where not even one row step of the one-pass kernel fits in the bound.
 """
@@ -21,12 +20,21 @@ from xattn_jax.pallas.tiling import Tiling, default_tiling
 from xattn_jax.pallas.two_pass import two_pass_block_sums
 
 ONE_PASS_MAX_SCRATCH_BYTES = 48 << 20  # keeps the 128K causal call within 64 MiB of workspace
+SCRATCH_PER_RESULT = 16  # very long calls may use 1/16 of their result's size instead
 
 
-def passes_for(geom: Geometry, tiling: Tiling,
-               max_scratch_bytes: int = ONE_PASS_MAX_SCRATCH_BYTES) -> int:
+def scratch_bound(geom: Geometry) -> int:
+    """The one-pass kernel's default scratch bound for a call: 48 MiB, or 1/16 of the
+    float32 block sums it returns where that is more (at 1M tokens x 32 heads the result
+    is 8 GiB and one row step needs 151 MiB)."""
+    result = 4 * geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
+    return max(ONE_PASS_MAX_SCRATCH_BYTES, result // SCRATCH_PER_RESULT)
+
+
+def passes_for(geom: Geometry, tiling: Tiling, max_scratch_bytes: int | None = None) -> int:
     """1 or 2: the kernel `block_sums` picks by default for this call."""
-    return 1 if rows_per_call(geom, tiling, max_scratch_bytes) else 2
+    bound = max_scratch_bytes or scratch_bound(geom)
+    return 1 if rows_per_call(geom, tiling, bound) else 2
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "tiling", "passes",
@@ -34,7 +42,7 @@ def passes_for(geom: Geometry, tiling: Tiling,
 def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm: float,
                key_len: jax.Array | None = None, block_table: jax.Array | None = None,
                tiling: Tiling | None = None, passes: int | None = None,
-               max_scratch_bytes: int = ONE_PASS_MAX_SCRATCH_BYTES,
+               max_scratch_bytes: int | None = None,
                interpret: bool = False) -> jax.Array:
     """Pallas sections 1-3: float32 block sums `[B, Hq, ceil(Lq/bs), ceil(Lk/bs)]`.
 
@@ -45,9 +53,11 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
     is a paged cache `[num_pages, page_size, Hkv, D]` (Lk = pages_per_seq * page_size):
     the kernel reads each sequence's pages through the table, no gathered copy.
     `tiling` defaults to the measured `default_tiling`; `passes` (1 or 2) to the
-    one-pass kernel if one row step of it fits in `max_scratch_bytes` of scratch.
+    one-pass kernel if one row step of it fits in `max_scratch_bytes` of scratch
+    (default `scratch_bound(geom)`).
     """
     tiling = tiling or default_tiling(geom, q.dtype, causal)
+    max_scratch_bytes = max_scratch_bytes or scratch_bound(geom)
     call_rows = rows_per_call(geom, tiling, max_scratch_bytes)
     passes = passes or (1 if call_rows else 2)
     if passes not in (1, 2):
