@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry
 from xattn_jax.pallas.one_pass import one_pass_block_sums, rows_per_call
@@ -27,12 +28,14 @@ def scratch_bound(geom: Geometry) -> int:
     """The one-pass kernel's default scratch bound for a call: 48 MiB, or 1/16 of the
     float32 block sums it returns where that is more (at 1M tokens x 32 heads the result
     is 8 GiB and one row step needs 151 MiB)."""
-    result = 4 * geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
+    result = (geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
+              * jnp.dtype(jnp.float32).itemsize)
     return max(ONE_PASS_MAX_SCRATCH_BYTES, result // SCRATCH_PER_RESULT)
 
 
 def passes_for(geom: Geometry, tiling: Tiling, max_scratch_bytes: int | None = None) -> int:
-    """1 or 2: the kernel `block_sums` picks by default for this call."""
+    """1 or 2: the kernel `block_sums` picks by default for this call (the one-pass kernel
+    if one row step of it fits in `max_scratch_bytes`, default `scratch_bound(geom)`)."""
     bound = max_scratch_bytes or scratch_bound(geom)
     return 1 if rows_per_call(geom, tiling, bound) else 2
 
@@ -58,14 +61,14 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
     """
     tiling = tiling or default_tiling(geom, q.dtype, causal)
     max_scratch_bytes = max_scratch_bytes or scratch_bound(geom)
-    call_rows = rows_per_call(geom, tiling, max_scratch_bytes)
-    passes = passes or (1 if call_rows else 2)
+    passes = passes or passes_for(geom, tiling, max_scratch_bytes)
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 or 2, got {passes}")
     args = dict(geom=geom, causal=causal, norm=norm, key_len=key_len,
                 block_table=block_table, tiling=tiling, interpret=interpret)
     if passes == 2:
         return two_pass_block_sums(q, k, **args)
+    call_rows = rows_per_call(geom, tiling, max_scratch_bytes)
     if call_rows is None:
         raise ValueError(f"passes=1 needs more than max_scratch_bytes={max_scratch_bytes} "
                          f"bytes of scratch for one row step of {geom}: use passes=2")

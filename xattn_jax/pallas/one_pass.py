@@ -31,9 +31,6 @@ from xattn_jax.geometry import Geometry
 from xattn_jax.pallas.row_tile import RowTile, key_operands, row_tile_refs
 from xattn_jax.pallas.tiling import Tiling
 
-_F32_BYTES = 4
-
-
 def _unit(geom: Geometry, tiling: Tiling) -> int:
     return math.gcd(geom.block_rows, tiling.cols)
 
@@ -42,11 +39,16 @@ def _key_groups(geom: Geometry, tiling: Tiling) -> int:
     return pl.cdiv(tiling.key_tiles(geom), tiling.key_span(geom))
 
 
+def _stored_key_tiles(geom: Geometry, tiling: Tiling) -> int:
+    """Key tiles the scratch holds: the real ones padded to whole program spans."""
+    return _key_groups(geom, tiling) * tiling.key_span(geom)
+
+
 def row_scratch_bytes(geom: Geometry, tiling: Tiling) -> int:
     """Scratch bytes per reshaped query row (m and x for every key tile and head)."""
-    key_tiles = _key_groups(geom, tiling) * tiling.key_span(geom)
     per_tile = 1 + tiling.cols // _unit(geom, tiling)
-    return geom.batch * geom.q_heads * key_tiles * per_tile * _F32_BYTES
+    return (geom.batch * geom.q_heads * _stored_key_tiles(geom, tiling) * per_tile
+            * jnp.dtype(jnp.float32).itemsize)
 
 
 def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int | None:
@@ -155,9 +157,8 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
                         interpret: bool) -> jax.Array:
     """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`), `call_rows`
     reshaped query rows per kernel call (`rows_per_call`)."""
-    span = tiling.key_span(geom)
     grid = (geom.batch, geom.q_heads, call_rows // tiling.rows, _key_groups(geom, tiling))
-    key_tiles = grid[3] * span
+    key_tiles = _stored_key_tiles(geom, tiling)
     unit = _unit(geom, tiling)
     per_tile = tiling.cols // unit
     kernel = functools.partial(_tile_stats_kernel, geom=geom, causal=causal, norm=norm,
