@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from xattn_torch_bridge import PagedKVCache
@@ -20,3 +21,11 @@ def snapshot(cache: PagedKVCache):
 def assert_same(before, after) -> None:
     assert before[0] == after[0]
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+
+
+def assert_refused(cache: PagedKVCache, call, match: str, errors=ValueError) -> None:
+    """call() raises one of `errors` matching `match`, and the cache is left as it was."""
+    before = snapshot(cache)
+    with pytest.raises(errors, match=match):
+        call()
+    assert_same(before, snapshot(cache))

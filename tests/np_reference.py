@@ -141,33 +141,40 @@ def _candidate_order(row, forced_row, allowed_row):
     return sorted(cands, key=lambda j: (-row[j], j))
 
 
-def select(sums, threshold, *, causal: bool, keep_sink: bool = False,
-           keep_recent: bool = False) -> np.ndarray:
-    """Section 4 as a plain loop in float64. A row with a non-finite total keeps every
-    allowed block (the library's documented NaN/inf policy)."""
+def _rows(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool):
+    """Section 4's rows in float64: yields `((b, h, r), row, total, target, forced_row,
+    allowed_row)` for every query-block row of `sums` (target = threshold * total)."""
     sums = f64(sums)
     b, h, qb, kb = sums.shape
     t = thresholds(threshold, h)
     forced, allowed = forced_allowed(qb, kb, causal=causal, keep_sink=keep_sink,
                                      keep_recent=keep_recent)
-    mask = np.zeros(sums.shape, bool)
     for bi in range(b):
         for hi in range(h):
             for r in range(qb):
                 row = sums[bi, hi, r]
                 total = row.sum()
-                if not np.isfinite(total):
-                    mask[bi, hi, r] = allowed[r]
-                    continue
-                target = t[hi] * total
-                chosen = forced[r].copy()
-                mass = row[chosen].sum()
-                for j in _candidate_order(row, forced[r], allowed[r]):
-                    if mass >= target:
-                        break
-                    chosen[j] = True
-                    mass += row[j]
-                mask[bi, hi, r] = chosen
+                yield (bi, hi, r), row, total, t[hi] * total, forced[r], allowed[r]
+
+
+def select(sums, threshold, *, causal: bool, keep_sink: bool = False,
+           keep_recent: bool = False) -> np.ndarray:
+    """Section 4 as a plain loop in float64. A row with a non-finite total keeps every
+    allowed block (the library's documented NaN/inf policy)."""
+    mask = np.zeros(np.shape(sums), bool)
+    for idx, row, total, target, forced_row, allowed_row in _rows(
+            sums, threshold, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent):
+        if not np.isfinite(total):
+            mask[idx] = allowed_row
+            continue
+        chosen = forced_row.copy()
+        mass = row[chosen].sum()
+        for j in _candidate_order(row, forced_row, allowed_row):
+            if mass >= target:
+                break
+            chosen[j] = True
+            mass += row[j]
+        mask[idx] = chosen
     return mask
 
 
@@ -181,32 +188,23 @@ def ambiguous_rows(sums, threshold, *, causal: bool, keep_sink: bool = False,
     `near_ties` (masks computed from two slightly different block sums), also when the
     last selected candidate and the first unselected one differ by at most `rtol * T`.
     """
-    sums = f64(sums)
-    b, h, qb, kb = sums.shape
-    t = thresholds(threshold, h)
-    forced, allowed = forced_allowed(qb, kb, causal=causal, keep_sink=keep_sink,
-                                     keep_recent=keep_recent)
-    out = np.zeros((b, h, qb), bool)
-    for bi in range(b):
-        for hi in range(h):
-            for r in range(qb):
-                row = sums[bi, hi, r]
-                total = row.sum()
-                if not np.isfinite(total):
-                    continue
-                target = t[hi] * total
-                order = _candidate_order(row, forced[r], allowed[r])
-                vals = row[order]
-                partial = row[forced[r]].sum() + np.concatenate([[0.0], np.cumsum(vals)])
-                tol = rtol * abs(total) + 1e-30
-                if np.any(np.abs(partial - target) <= tol):
-                    out[bi, hi, r] = True
-                    continue
-                if near_ties:
-                    taken = int(np.argmax(partial >= target)) if np.any(partial >= target) \
-                        else len(vals)
-                    if 0 < taken < len(vals) and vals[taken - 1] - vals[taken] <= tol:
-                        out[bi, hi, r] = True
+    out = np.zeros(np.shape(sums)[:3], bool)
+    for idx, row, total, target, forced_row, allowed_row in _rows(
+            sums, threshold, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent):
+        if not np.isfinite(total):
+            continue
+        order = _candidate_order(row, forced_row, allowed_row)
+        vals = row[order]
+        partial = row[forced_row].sum() + np.concatenate([[0.0], np.cumsum(vals)])
+        tol = rtol * abs(total) + 1e-30
+        if np.any(np.abs(partial - target) <= tol):
+            out[idx] = True
+            continue
+        if near_ties:
+            taken = int(np.argmax(partial >= target)) if np.any(partial >= target) \
+                else len(vals)
+            if 0 < taken < len(vals) and vals[taken - 1] - vals[taken] <= tol:
+                out[idx] = True
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_state import assert_same, snapshot
+from cache_state import assert_refused, assert_same, snapshot
 from xattn_torch_bridge import PagedKVCache
 
 BS, HKV, D = 64, 2, 16
@@ -188,10 +188,7 @@ def test_refused_calls_leave_the_cache_unchanged(rand):
         (lambda: cache.stage_keys([3, 6, 7]), "3 offloaded blocks but only 2 staging"),
     ]
     for call, message in calls:
-        before = snapshot(cache)
-        with pytest.raises((ValueError, TypeError), match=message):
-            call()
-        assert_same(before, snapshot(cache))
+        assert_refused(cache, call, message, (ValueError, TypeError))
 
 
 def test_load_needs_free_device_slots(rand):
@@ -199,10 +196,8 @@ def test_load_needs_free_device_slots(rand):
     ids = cache.allocate(2)
     cache.offload(ids)
     cache.allocate(3)
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match="block_ids: out of capacity: 2 blocks to load, 1"):
-        cache.load(ids)
-    assert_same(before, snapshot(cache))
+    assert_refused(cache, lambda: cache.load(ids),
+                   "block_ids: out of capacity: 2 blocks to load, 1")
 
 
 def test_append_to_an_offloaded_last_block(rand):
@@ -213,11 +208,8 @@ def test_append_to_an_offloaded_last_block(rand):
     ids = cache.append(ids, k[BS:], k[BS:])  # a full offloaded block needs no write
     assert len(ids) == 2 and not cache.is_resident(ids[0])
     cache.offload(ids[1:])
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match=r"the last block, which has room\): block 1 is "
-                                         "offloaded"):
-        cache.append(ids, k[:1], k[:1])
-    assert_same(before, snapshot(cache))
+    assert_refused(cache, lambda: cache.append(ids, k[:1], k[:1]),
+                   r"the last block, which has room\): block 1 is offloaded")
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -14,7 +14,7 @@ import torch
 import xattn_jax
 
 import xattn_torch_bridge as bridge
-from cache_state import assert_same, snapshot
+from cache_state import assert_refused, snapshot
 from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference
 
 BS, HKV, HQ, D, EBS, STRIDE = 64, 2, 4, 16, 32, 8
@@ -164,10 +164,7 @@ def test_refusals_leave_the_cache_unchanged(rand):
          r"estimate_block_size \(48\) must divide the cache's block_size \(64\)"),
     ]
     for call, message in calls:
-        before = snapshot(cache)
-        with pytest.raises((ValueError, TypeError), match=message):
-            call()
-        assert_same(before, snapshot(cache))
+        assert_refused(cache, call, message, (ValueError, TypeError))
 
 
 def test_empty_last_block_is_refused(rand):
