@@ -1,12 +1,12 @@
 """Measures Tiling variants of the fused block-sum kernel and checks each one first.
 
-    python -m bench.tune [--variants R,C,W,S[,SPAN[,PASSES]];...] [--shapes NAME,...]
+    python -m bench.tune [--variants R,C,W,S[,SPAN[,PASSES[,DEPTH]]];...] [--shapes NAME,...]
 
 For every variant: block sums against the reference on small random inputs (float32 and
 bfloat16, causal and not, GQA, odd lengths), then the median time on each shape with the
 ratio to the floor. The table at the end is what chose `xattn_jax.tiling`. SPAN is the
 one-pass kernel's key tiles per program (0: all of a row's), PASSES 1 or 2 (0: the
-default choice).
+default choice), DEPTH the head-dim columns per pipeline step (0: all).
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ from xattn_jax.pallas.block_sums import block_sums, passes_for
 from xattn_jax.pallas.tiling import Tiling
 
 SHAPES = {  # name: (Hq, Hkv, Lq, Lk, block_size, causal)
+    "noncausal-64k-b64": (32, 32, 65536, 65536, 64, False),
     "noncausal-64k-b128": (32, 32, 65536, 65536, 128, False),
     "noncausal-64k-b4096": (32, 32, 65536, 65536, 4096, False),
     "causal-32k": (32, 32, 32768, 32768, 128, True),
     "causal-64k": (32, 32, 65536, 65536, 128, True),
+    "chunk4096-ctx16k": (32, 8, 4096, 16384, 1024, False),
     "chunk4096-ctx64k": (32, 8, 4096, 65536, 1024, False),
 }
-DEFAULT_VARIANTS = ("128,128,8,3,8,1;128,128,8,3,2,1;128,128,8,3,0,1;128,256,8,2,8,1;"
-                    "64,128,4,3,8,1;128,128,8,3,0,2")
+DEFAULT_VARIANTS = ("128,256,8,4,8,1,64;128,256,8,4,2,1,64;128,256,8,4,0,1,64;"
+                    "128,128,8,3,8,1;128,128,8,4,8,1,64;128,256,8,4,2,2,64")
 CHECKS = [  # (Hq, Hkv, Lq, Lk, block_size, causal)
     (4, 2, 1000, 1000, 128, True), (4, 4, 777, 2000, 256, False), (2, 1, 512, 1536, 64, True)]
 
@@ -41,8 +43,9 @@ def _random(key, shape, dtype):
 
 
 def _variant(text: str) -> tuple[Tiling, int | None]:
-    rows, cols, warps, stages, span, passes = (list(map(int, text.split(","))) + [0, 0])[:6]
-    return Tiling(rows, cols, warps, stages, span or None), passes or None
+    rows, cols, warps, stages, span, passes, depth = (list(map(int, text.split(",")))
+                                                      + [0, 0, 0])[:7]
+    return Tiling(rows, cols, warps, stages, span or None, depth or None), passes or None
 
 
 def check(tiling: Tiling, passes: int | None) -> float:
@@ -70,8 +73,8 @@ def check(tiling: Tiling, passes: int | None) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="rows,cols,num_warps,num_stages[,span[,passes"
-                             "]];... (default: %(default)s)")
+                        help="rows,cols,num_warps,num_stages[,span[,passes[,depth"
+                             "]]];... (default: %(default)s)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES")
     args = parser.parse_args(argv)
     variants = [_variant(v) for v in args.variants.split(";")]
@@ -103,12 +106,13 @@ def main(argv=None) -> None:
             log(f"  {name}: {times[name]:.3f} ms ({times[name] / floor:.2f} x floor), "
                 f"{used} pass(es)")
         rows.append((tiling, passes, err, times))
-    print("| rows | cols | warps | stages | span | passes | check err | "
+    print("| rows | cols | warps | stages | span | passes | depth | check err | "
           + " | ".join(f"{n} ms" for n in args.shapes.split(",")) + " |")
-    print("|---" * (7 + len(args.shapes.split(","))) + "|")
+    print("|---" * (8 + len(args.shapes.split(","))) + "|")
     for tiling, passes, err, times in rows:
         print(f"| {tiling.rows} | {tiling.cols} | {tiling.num_warps} | {tiling.num_stages} | "
-              f"{tiling.span or 'all'} | {passes or 'auto'} | {err:.1e} | "
+              f"{tiling.span or 'all'} | {passes or 'auto'} | {tiling.depth or 'all'} | "
+              f"{err:.1e} | "
               + " | ".join(f"{t:.3f}" for t in times.values()) + " |")
 
 

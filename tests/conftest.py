@@ -122,15 +122,18 @@ def _tile_pair(tile) -> tuple[int, int]:
 
 def pallas_block_sums(q, k, geom: Geometry, *, causal: bool, norm: float, tile,
                       interpret: bool, passes: int | None = None) -> jax.Array:
-    """Calls the Pallas block-sum kernel with a (rows, cols) or square tile; `passes`
-    picks the one- or two-pass kernel (None: the default choice)."""
+    """Calls the Pallas block-sum kernel with a (rows, cols) or square tile, the head dim
+    in two pipeline steps where that leaves 16 columns or more; `passes` picks the one- or
+    two-pass kernel (None: the default choice)."""
+    from xattn_jax.geometry import next_pow2
     from xattn_jax.pallas.block_sums import block_sums
     from xattn_jax.pallas.tiling import Tiling
 
     rows, cols = _tile_pair(tile)
+    depth = next_pow2(geom.head_dim) // 2
     return block_sums(q, k, geom=geom, causal=causal, norm=norm,
-                      tiling=Tiling(rows=rows, cols=cols), passes=passes,
-                      interpret=interpret)
+                      tiling=Tiling(rows=rows, cols=cols, depth=depth if depth >= 16 else None),
+                      passes=passes, interpret=interpret)
 
 
 class Impl:

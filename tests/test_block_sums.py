@@ -163,6 +163,25 @@ def test_one_pass_in_several_calls(pallas_impl, case, rand):
         run(max_scratch_bytes=bound - 1)
 
 
+@pytest.mark.parametrize("fit_steps", [1, 2, 3, 5, 12, 13, 15])
+def test_row_steps_are_as_few_and_as_small_as_possible(fit_steps):
+    """Row steps are as few as the bound allows, and each as small as that many calls
+    allow: the last call starts early enough to end on the last block, so every row a
+    call holds beyond need is work done twice (a 64K-token call at block 4096 whose bound
+    held 12 of 16 steps once ran 2 calls of 12, redoing 8 steps; now 2 calls of 8)."""
+    from xattn_jax.geometry import Geometry
+    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.tiling import Tiling
+
+    geom, tiling = Geometry(1, 2, 2, 8192, 8192, 64, 8, 256), Tiling(16, 64)
+    step = math.lcm(tiling.rows, geom.block_rows)  # 32 rows; q_rows = 1024 = 32 steps
+    call_rows = rows_per_call(geom, tiling, row_scratch_bytes(geom, tiling) * step * fit_steps)
+    calls = -(-geom.q_rows // call_rows)
+    assert call_rows % step == 0 and call_rows <= step * fit_steps
+    assert calls == -(-geom.q_rows // (step * fit_steps)), "more calls than needed"
+    assert (call_rows - step) * calls < geom.q_rows, f"{calls} calls of {call_rows} rows"
+
+
 PAD_CASES = [CASES[12], CASES[1]]  # c130 (-> 136), nc37x131 s4 (-> 40 x 132)
 
 

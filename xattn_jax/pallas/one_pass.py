@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
+from xattn_jax.pallas.grid import COL_AXIS, ROW_AXIS, head_spec, kernel_grid
 from xattn_jax.pallas.row_tile import RowTile, key_operands, row_tile_refs
 from xattn_jax.pallas.tiling import Tiling
 
@@ -55,13 +56,18 @@ def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int
     """Reshaped query rows one kernel call covers so that its scratch stays within
     `max_scratch_bytes`: all of them (padded to whole tiles) if they fit, else a multiple
     of both the tile's rows and block_rows (calls then run one after another and reuse
-    the scratch). None if not even one such step fits."""
+    the scratch), the smallest that needs no more calls than the largest that fits (the
+    last call overlaps the one before it: every row it repeats is work done twice).
+    None if not even one such step fits."""
     all_rows = pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
     fit = max_scratch_bytes // row_scratch_bytes(geom, tiling)
     if fit >= all_rows:
         return all_rows
     step = math.lcm(tiling.rows, geom.block_rows)
-    return fit // step * step or None
+    if fit < step:
+        return None
+    calls = pl.cdiv(geom.q_rows, fit // step * step)
+    return pl.cdiv(pl.cdiv(geom.q_rows, calls), step) * step
 
 
 def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
@@ -72,9 +78,9 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: 
     rows, span = tiling.rows, tiling.key_span(geom)
     unit = _unit(geom, tiling)
     per_tile = tiling.cols // unit
-    first = pl.program_id(3) * span
+    first = pl.program_id(COL_AXIS) * span
     seen = jnp.clip(tile.visible_tiles - first, 0, span)
-    row0 = pl.program_id(2) * rows  # in this call's scratch (tile.row0 counts all rows)
+    row0 = pl.program_id(ROW_AXIS) * rows  # in this call's scratch (tile.row0 counts all rows)
 
     def store(col_tile, m, x):
         plgpu.store(max_ref.at[col_tile, pl.ds(row0, rows)], m)
@@ -90,23 +96,22 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: 
         x = p.sum(axis=1) if per_tile == 1 else p.reshape(rows, per_tile, unit).sum(axis=2)
         store(col_tile, m, x)
 
-    # One loop over (key tile, stride member) steps: Triton pipelines the loads across
-    # key tiles (measured 2-12% faster than a loop over tiles around `score_tile`'s loop
-    # over members).
-    s = geom.stride
+    # One loop over (key tile, step) pairs: Triton pipelines the loads across key tiles
+    # (measured 2-12% faster than a loop over tiles around `score_tile`'s loop).
+    steps = tile.steps
 
     def step(i, product):
         # lax.div/rem: i >= 0, and jnp's floor division lowers to i1 selects on GPU
-        col_tile, member = first + jax.lax.div(i, s), jax.lax.rem(i, s)
-        product = product + tile.member_product(col_tile, member)
+        col_tile, j = first + jax.lax.div(i, steps), jax.lax.rem(i, steps)
+        product = product + tile.step_product(col_tile, j)
 
-        def last_member(product):
+        def last_step(product):
             tile_stats(col_tile, tile.finish(product, col_tile))
             return jnp.zeros_like(product)
 
-        return jax.lax.cond(member == s - 1, last_member, lambda p: p, product)
+        return jax.lax.cond(j == steps - 1, last_step, lambda p: p, product)
 
-    jax.lax.fori_loop(0, seen * s, step, jnp.zeros((rows, tiling.cols), jnp.float32))
+    jax.lax.fori_loop(0, seen * steps, step, jnp.zeros((rows, tiling.cols), jnp.float32))
 
     def unseen(i, carry):  # loops from 0: a traced lower bound trips jax 0.11.2
         zeros = jnp.zeros((rows,) if per_tile == 1 else (rows, per_tile), jnp.float32)
@@ -157,7 +162,7 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
                         interpret: bool) -> jax.Array:
     """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`), `call_rows`
     reshaped query rows per kernel call (`rows_per_call`)."""
-    grid = (geom.batch, geom.q_heads, call_rows // tiling.rows, _key_groups(geom, tiling))
+    grid = kernel_grid(geom, call_rows // tiling.rows, _key_groups(geom, tiling))
     key_tiles = _stored_key_tiles(geom, tiling)
     unit = _unit(geom, tiling)
     per_tile = tiling.cols // unit
@@ -171,10 +176,7 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None) + stats_shape[2:],
-                                    lambda b, h, *_: (b, h, 0, 0)),
-                       pl.BlockSpec((None, None) + stats_shape[2:] + (per_tile,),
-                                    lambda b, h, *_: (b, h, 0, 0, 0))],
+            out_specs=[head_spec(stats_shape[2:]), head_spec(stats_shape[2:] + (per_tile,))],
             out_shape=[jax.ShapeDtypeStruct(stats_shape, jnp.float32),
                        jax.ShapeDtypeStruct(stats_shape + (per_tile,), jnp.float32)],
             compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,

@@ -2,8 +2,8 @@
 from, which key tiles it sees, and its masked score tiles (ESTIMATE.md section 1 plus the
 causal and padding masks of section 2).
 
-A program owns `tiling.rows` reshaped query rows of one (batch, query head): grid axes 0
-and 1 are the batch and the query head, axis 2 the row tile.
+A program owns `tiling.rows` reshaped query rows of one (batch, query head), on the grid
+of `grid.py`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.strided_scores import (load_paged_tokens, load_tokens, member_product,
-                                             qk_specs, score_tile)
+from xattn_jax.pallas.grid import HEAD_AXIS, ROW_AXIS, batch_spec, whole_spec
+from xattn_jax.pallas.strided_scores import (head_parts, load_paged_tokens, load_tokens,
+                                             qk_specs, score_tile, step_product)
 from xattn_jax.pallas.tiling import Tiling
 
 LOG2_E = 1.4426950408889634
@@ -36,17 +37,17 @@ class RowTile:
         self.geom, self.causal, self.norm, self.tiling = geom, causal, norm, tiling
         self.q_ref = q_ref
         rows, cols = tiling.rows, tiling.cols
-        self.row0 = scalars_ref[1] + pl.program_id(2) * rows
+        self.row0 = scalars_ref[1] + pl.program_id(ROW_AXIS) * rows
         self.row_ids = self.row0 + jnp.arange(rows)
         self.row_real = self.row_ids < geom.q_rows
-        k_len = scalars_ref[0]
+        k_len = scalars_ref[0]  # read here, before any loop (see `load_tokens`)
         self.k_cols = (k_len + geom.stride - 1) // geom.stride
         if table_ref is None:
             self.load_keys = functools.partial(load_tokens, k_ref, length=k_len,
                                                head_dim=geom.head_dim)
         else:
             self.load_keys = functools.partial(load_paged_tokens, k_ref, table_ref,
-                                               pl.program_id(1) // geom.group,
+                                               pl.program_id(HEAD_AXIS) // geom.group,
                                                length=k_len, head_dim=geom.head_dim)
         if causal:
             last_row = jnp.minimum(self.row0 + rows, geom.q_rows) - 1
@@ -62,30 +63,46 @@ class RowTile:
     def _scale(self) -> float:
         return self.geom.scale / self.norm * LOG2_E
 
+    @property
+    def steps(self) -> int:
+        """Pipeline steps per key tile (`strided_scores.step_product`)."""
+        return self.geom.stride * head_parts(self.geom, self.tiling.depth)
+
     def scores(self, col_tile) -> jax.Array:
         """float32 `[rows, cols]`: A * log2(e) of key tile `col_tile`, -inf where a row may
         not see a column (past the real keys, or after the diagonal)."""
         rows, cols = self.tiling.rows, self.tiling.cols
         a = score_tile(self.q_ref, self.load_keys, self.row0, col_tile * cols, rows=rows,
-                       cols=cols, geom=self.geom, scale=self._scale)
+                       cols=cols, geom=self.geom, scale=self._scale, depth=self.tiling.depth)
         return self._mask(a, col_tile)
 
-    def member_product(self, col_tile, member) -> jax.Array:
-        """One stride member's share of key tile `col_tile`'s product, unscaled; `finish`
-        turns the sum over every member into `scores(col_tile)`."""
-        return member_product(self.q_ref, self.load_keys, self.row0,
-                              col_tile * self.tiling.cols, member, rows=self.tiling.rows,
-                              cols=self.tiling.cols, geom=self.geom)
+    def step_product(self, col_tile, step) -> jax.Array:
+        """Step `step`'s share of key tile `col_tile`'s product, unscaled; `finish` turns
+        the sum over all `steps` into `scores(col_tile)`."""
+        return step_product(self.q_ref, self.load_keys, self.row0,
+                            col_tile * self.tiling.cols, step, rows=self.tiling.rows,
+                            cols=self.tiling.cols, geom=self.geom, depth=self.tiling.depth)
 
     def finish(self, product: jax.Array, col_tile) -> jax.Array:
         return self._mask(product * jnp.float32(self._scale), col_tile)
 
     def _mask(self, a: jax.Array, col_tile) -> jax.Array:
-        col_ids = col_tile * self.tiling.cols + jnp.arange(self.tiling.cols)
-        seen = (col_ids < self.k_cols)[None, :]
+        cols = self.tiling.cols
+        last_col = col_tile * cols + cols - 1
+        # Only tiles holding a column past the real keys, or one after the first row's
+        # diagonal, pay for the mask (the epilogue is on the critical path).
+        partial = last_col >= self.k_cols
         if self.causal:
-            seen = seen & (col_ids[None, :] <= self.row_ids[:, None] + self.geom.row_offset)
-        return jnp.where(seen, a, -jnp.inf)
+            partial = partial | (last_col > self.row0 + self.geom.row_offset)
+
+        def masked(a):
+            col_ids = col_tile * cols + jnp.arange(cols)
+            seen = (col_ids < self.k_cols)[None, :]
+            if self.causal:
+                seen = seen & (col_ids[None, :] <= self.row_ids[:, None] + self.geom.row_offset)
+            return jnp.where(seen, a, -jnp.inf)
+
+        return jax.lax.cond(partial, masked, lambda a: a, a)
 
 
 def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0):
@@ -95,11 +112,11 @@ def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0):
         key_len = jnp.full((1,), geom.k_len, jnp.int32)
     scalars = jnp.concatenate([key_len.astype(jnp.int32).reshape(1),
                                jnp.asarray(first_row, jnp.int32).reshape(1)])
-    scalars_spec = pl.BlockSpec((2,), lambda *_: (0,))
+    scalars_spec = whole_spec((2,))
     if block_table is None:
         return qk_specs(geom) + [scalars_spec], (q, k, scalars)
-    pages = pl.BlockSpec(k.shape, lambda *_: (0,) * k.ndim)
-    table = pl.BlockSpec((None, block_table.shape[1]), lambda b, *_: (b, 0))
+    pages = whole_spec(k.shape)
+    table = batch_spec((block_table.shape[1],))
     return ([qk_specs(geom)[0], pages, table, scalars_spec],
             (q, k, block_table.astype(jnp.int32), scalars))
 

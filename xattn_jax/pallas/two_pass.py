@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
+from xattn_jax.pallas.grid import ROW_AXIS, head_spec, kernel_grid
 from xattn_jax.pallas.row_tile import RowTile, key_operands, row_tile_refs
 from xattn_jax.pallas.tiling import Tiling
 
@@ -51,7 +52,7 @@ def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: fl
         (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)))
     weight = jnp.where(tile.row_real, 1.0 / l, 0.0)  # padded query rows add nothing
 
-    out_row0 = pl.program_id(2) * (rows // fine)
+    out_row0 = pl.program_id(ROW_AXIS) * (rows // fine)
     out_row_real = (out_row0 + jnp.arange(rows // fine)) < out_rows
 
     def store(col_tile, sums):
@@ -88,9 +89,9 @@ def two_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
                                tiling=tiling, paged=block_table is not None)
     sums = pl.pallas_call(
         kernel,
-        grid=(geom.batch, geom.q_heads, pl.cdiv(out_shape[2] * fine, tiling.rows)),
+        grid=kernel_grid(geom, pl.cdiv(out_shape[2] * fine, tiling.rows)),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None) + out_shape[2:], lambda b, h, *_: (b, h, 0, 0)),
+        out_specs=head_spec(out_shape[2:]),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=tiling.num_stages),
