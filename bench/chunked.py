@@ -6,7 +6,8 @@
 Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV blocks
 4096, estimate blocks 1024, threshold 0.95):
 - `chunk4096-ctx{N}`: `kv_block_scores` + `select_kv_blocks` in one jitted call on a
-  contiguous cache, against the floor (strided-product FLOPs at 753 TFLOP/s);
+  contiguous cache, device time per call (`bench.common.time_ms`), against the floor
+  (strided-product FLOPs at 753 TFLOP/s);
 - `select-blocks-ctx{N}`: `XAttentionPolicy.select_blocks` end to end on a torch
   `PagedKVCache` with two blocks offloaded to CPU memory and staged back (host time to
   the returned ids);

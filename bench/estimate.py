@@ -2,7 +2,8 @@
 
     python -m bench.estimate [--cases NAME,...|all] [--json PATH] [--compare-original PATH]
 
-bf16, Hq = 32, D = 128, stride 8, random data. Every row reports the median time, the
+bf16, Hq = 32, D = 128, stride 8, random data. Every row reports the median device time
+per call (`bench.common.time_ms`: back-to-back calls; the original: CUDA events), the
 floor (strided-product FLOPs at the measured 753 TFLOP/s), their ratio and the extra GPU
 memory of one call (outputs plus XLA temporaries, beyond the inputs). With
 `--compare-original PATH`, the original mit-han-lab/x-attention estimate from a checkout

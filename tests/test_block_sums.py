@@ -136,6 +136,30 @@ def test_pallas_non_square_tiles(kernel_pallas_impl, tile, rand):
     assert err <= F32_RTOL, f"tile {tile}: {err:.3g} {rand}"
 
 
+@pytest.mark.parametrize("depth", [16, 32, 64, None])
+def test_head_dim_steps_do_not_change_result(kernel_pallas_impl, depth, rand):
+    """Head dim 24 (padded to 32 and masked) fed in steps of 16 columns, or in one step
+    (32, a depth beyond the padded head dim, or None): the same block sums."""
+    from xattn_jax.pallas.block_sums import block_sums
+    from xattn_jax.pallas.tiling import Tiling
+
+    case = CASES[-1]
+    q, k = case.inputs(rand)
+    got = block_sums(q, k, geom=case.geom(), causal=case.causal, norm=case.norm,
+                     tiling=Tiling(16, 16, depth=depth), passes=kernel_pallas_impl.passes,
+                     interpret=kernel_pallas_impl.interpret)
+    err = npr.rel_err(np.asarray(got), case.expected(q, k))
+    assert err <= F32_RTOL, f"depth {depth}: {err:.3g} {rand}"
+
+
+@pytest.mark.parametrize("depth", [8, 48, 0])
+def test_tiling_refuses_a_depth_that_is_not_a_power_of_two_of_16_or_more(depth):
+    from xattn_jax.pallas.tiling import Tiling
+
+    with pytest.raises(ValueError, match="Tiling.depth must be None or a power of two"):
+        Tiling(16, 16, depth=depth)
+
+
 SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # 3, 3 and 4 row steps
 
 

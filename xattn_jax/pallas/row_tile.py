@@ -36,6 +36,7 @@ class RowTile:
                  causal: bool, norm: float, tiling: Tiling):
         self.geom, self.causal, self.norm, self.tiling = geom, causal, norm, tiling
         self.q_ref = q_ref
+        self.depth = tiling.step_depth(geom)
         rows, cols = tiling.rows, tiling.cols
         self.row0 = scalars_ref[1] + pl.program_id(ROW_AXIS) * rows
         self.row_ids = self.row0 + jnp.arange(rows)
@@ -66,14 +67,14 @@ class RowTile:
     @property
     def steps(self) -> int:
         """Pipeline steps per key tile (`strided_scores.step_product`)."""
-        return self.geom.stride * head_parts(self.geom, self.tiling.depth)
+        return self.geom.stride * head_parts(self.geom, self.depth)
 
     def scores(self, col_tile) -> jax.Array:
         """float32 `[rows, cols]`: A * log2(e) of key tile `col_tile`, -inf where a row may
         not see a column (past the real keys, or after the diagonal)."""
         rows, cols = self.tiling.rows, self.tiling.cols
         a = score_tile(self.q_ref, self.load_keys, self.row0, col_tile * cols, rows=rows,
-                       cols=cols, geom=self.geom, scale=self._scale, depth=self.tiling.depth)
+                       cols=cols, geom=self.geom, scale=self._scale, depth=self.depth)
         return self._mask(a, col_tile)
 
     def step_product(self, col_tile, step) -> jax.Array:
@@ -81,7 +82,7 @@ class RowTile:
         the sum over all `steps` into `scores(col_tile)`."""
         return step_product(self.q_ref, self.load_keys, self.row0,
                             col_tile * self.tiling.cols, step, rows=self.tiling.rows,
-                            cols=self.tiling.cols, geom=self.geom, depth=self.tiling.depth)
+                            cols=self.tiling.cols, geom=self.geom, depth=self.depth)
 
     def finish(self, product: jax.Array, col_tile) -> jax.Array:
         return self._mask(product * jnp.float32(self._scale), col_tile)

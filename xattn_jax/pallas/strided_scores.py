@@ -26,14 +26,15 @@ from xattn_jax.pallas.tiling import default_tiling
 
 def _head_columns(head_dim: int, part, depth: int | None) -> tuple[jax.Array, jax.Array | None]:
     """Column index `[1, depth]` of head-dim part `part` (columns part*depth onwards of
-    the padded head dim; depth None: all of it) and its mask (None for a power-of-two
-    head_dim).
+    the head dim padded to a power of two; depth None: all of it) and its mask (None for a
+    power-of-two head_dim).
 
     With a power-of-two head_dim the column index is a plain range and the row mask is
     constant along a row, which lets Triton vectorize the loads (a clamped or masked
     column index costs several times the kernel's time).
     """
-    dims = part * (depth or next_pow2(head_dim)) + jnp.arange(depth or next_pow2(head_dim))
+    width = depth or next_pow2(head_dim)
+    dims = part * width + jnp.arange(width)
     if next_pow2(head_dim) == head_dim:
         return dims[None, :], None
     return jnp.minimum(dims, head_dim - 1)[None, :], (dims < head_dim)[None, :]
@@ -74,17 +75,19 @@ def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
         mask=mask, other=0)
 
 
-def head_parts(geom: Geometry, depth: int | None) -> int:
-    """Pieces of `depth` head-dim columns a stride member's product is computed in."""
-    return next_pow2(geom.head_dim) // depth if depth else 1
+def head_parts(geom: Geometry, depth: int) -> int:
+    """Pieces of `depth` head-dim columns (`Tiling.step_depth`) a stride member's product
+    is computed in."""
+    return next_pow2(geom.head_dim) // depth
 
 
 def step_product(q_ref, load_keys, row0, col0, step, *, rows: int, cols: int,
-                 geom: Geometry, depth: int | None) -> jax.Array:
+                 geom: Geometry, depth: int) -> jax.Array:
     """One pipeline step's share of the strided product: float32 `[rows, cols]`.
 
     A score tile is the sum of S * head_parts steps: step t is stride member
-    t // head_parts over head-dim part t % head_parts (`depth` columns; None: one part).
+    t // head_parts over head-dim part t % head_parts (`depth` columns, a power of two
+    dividing the padded head dim).
     Reshaped row i holds query tokens i*S + S-1, ..., i*S (its group read in reverse) and
     column j key tokens j*S, ..., j*S + S-1, so member m pairs query token i*S + S-1-m
     with key token j*S + m. q_ref: `[Lq, D]` (one batch and query head);
@@ -104,7 +107,7 @@ def step_product(q_ref, load_keys, row0, col0, step, *, rows: int, cols: int,
 
 
 def score_tile(q_ref, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
-               scale: float, depth: int | None) -> jax.Array:
+               scale: float, depth: int) -> jax.Array:
     """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols): float32
     `[rows, cols]`, the sum of the step products times `scale` (A is scale =
     1 / (sqrt(D) * S * norm)). Arguments as `step_product`.
@@ -130,7 +133,7 @@ def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float
     load_keys = functools.partial(load_tokens, k_ref, length=geom.k_len,
                                   head_dim=geom.head_dim)
     a = score_tile(q_ref, load_keys, row0, col0, rows=tile, cols=tile, geom=geom,
-                   scale=geom.scale / norm, depth=None)
+                   scale=geom.scale / norm, depth=next_pow2(geom.head_dim))
     mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
         & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]
     plgpu.store(out_ref.at[pl.ds(row0, tile), pl.ds(col0, tile)], a, mask=mask)

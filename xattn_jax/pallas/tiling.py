@@ -43,6 +43,16 @@ class Tiling:
     span: int | None = None  # key tiles per one-pass program; None: all of a row's
     depth: int | None = None  # head-dim columns per pipeline step (power of two); None: all
 
+    def __post_init__(self):
+        if self.depth is not None and (self.depth < _MIN_SIDE or self.depth & (self.depth - 1)):
+            raise ValueError(f"Tiling.depth must be None or a power of two >= {_MIN_SIDE}, "
+                             f"got {self.depth}")
+
+    def step_depth(self, geom: Geometry) -> int:
+        """Head-dim columns per pipeline step for this geometry: `depth`, at most the head
+        dim padded to a power of two (all of it when depth is None)."""
+        return min(self.depth or next_pow2(geom.head_dim), next_pow2(geom.head_dim))
+
     def fine(self, geom: Geometry) -> int:
         """The internal block in reshaped rows: the largest divisor of block_rows that
         divides both tile sides."""
@@ -60,7 +70,6 @@ def default_tiling(geom: Geometry, dtype, causal: bool = False) -> Tiling:
     """The measured tiling for inputs of `dtype` and the geometry's head_dim."""
     rows, cols, warps, stages, depth = _FAST if jnp.dtype(dtype).itemsize == 2 else _EXACT
     shrink = max(1, next_pow2(geom.head_dim) // _BASE_HEAD_DIM)
-    depth = depth if depth and depth < next_pow2(geom.head_dim) else None
     tiling = Tiling(max(_MIN_SIDE, rows // shrink), max(_MIN_SIDE, cols // shrink), warps,
                     stages, depth=depth)
     row_programs = geom.batch * geom.q_heads * -(-geom.q_rows // tiling.rows)
