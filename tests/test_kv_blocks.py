@@ -40,7 +40,7 @@ def seed():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("k_len", [1024, 777, 300])
+@pytest.mark.parametrize("k_len", [1024, 777, 300, 5])
 def test_scores_match_torch_reference(impl, k_len, seed):
     _, q, k = _chunk(seed)
     got = np.asarray(kv_block_scores(q, k, kv_block_size=256, estimate_block_size=64,
@@ -200,7 +200,8 @@ def test_paged_errors(pages, table, match, seed):
 @pytest.mark.parametrize("paged", [False, True], ids=["buffer", "paged"])
 def test_both_kernels_read_key_len_and_pages(passes, paged, seed):
     """Each block-sum kernel, on a buffer padded past k_len (NaN there) or on a shuffled
-    page pool read through a block table, equals the reference on the k_len real keys."""
+    page pool read through a block table (whose entries past k_len's pages lie outside
+    the pool), equals the reference on the k_len real keys."""
     from xattn_jax import reference
     from xattn_jax.geometry import check_qk
     from xattn_jax.pallas.block_sums import block_sums
@@ -218,9 +219,36 @@ def test_both_kernels_read_key_len_and_pages(passes, paged, seed):
         pool = np.full((12, page_size, 2, 16), np.nan, np.float32)
         for i, page in enumerate(table):
             pool[page] = np.asarray(k[0, :, i * page_size:(i + 1) * page_size]).swapaxes(0, 1)
+        table[-(-k_len // page_size):] = [-7, 10**6]
         got = block_sums(q, jnp.asarray(pool), block_table=jnp.asarray(table[None], jnp.int32),
                          **args)
     else:
         got = block_sums(q, k, **args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL,
+                               atol=RTOL * float(want.max()), err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("k_len", [333, 336, 5])
+def test_key_len_over_several_row_steps(k_len, seed):
+    """The one-pass kernel with unmasked keys (the key tiles end within the buffer)
+    covering the query rows in several calls, with NaN past k_len: the partly filled
+    last stride group, scored outside the kernel, joins every call's rows."""
+    from xattn_jax import reference
+    from xattn_jax.geometry import check_qk
+    from xattn_jax.pallas.block_sums import block_sums
+    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.row_tile import keys_fit
+    from xattn_jax.pallas.tiling import Tiling
+
+    _, q, k = _chunk(seed, q_len=512, capacity=512)
+    k = k.at[:, :, k_len:].set(jnp.nan)
+    geom = check_qk(q, k, stride=8, block_size=64, causal=False)
+    tiling = Tiling(16, 16)
+    bound = row_scratch_bytes(geom, tiling) * 16
+    assert keys_fit(geom, tiling) and rows_per_call(geom, tiling, bound) < geom.q_rows
+    want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
+    got = block_sums(q, k, geom=geom, causal=False, norm=1.0, passes=1, tiling=tiling,
+                     key_len=jnp.full((1,), k_len, jnp.int32), max_scratch_bytes=bound,
+                     interpret=not ON_GPU)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL,
                                atol=RTOL * float(want.max()), err_msg=f"seed={seed}")

@@ -30,12 +30,15 @@ def strided_scores(q: jax.Array, k: jax.Array, geom: Geometry, norm: float) -> j
     q = _pad_to_stride(q, s)
     k = _pad_to_stride(k, s)
     b, hq, lq, d = q.shape
-    # Query group read in reverse, key group forward: one antidiagonal per S x S tile.
-    q_rows = q.reshape(b, hq, lq // s, s, d)[:, :, :, ::-1, :]
-    q_rows = q_rows.reshape(b, geom.kv_heads, g, lq // s, s * d)
-    k_cols = k.reshape(b, geom.kv_heads, k.shape[2] // s, s * d)
+    # One antidiagonal per S x S tile: query group forward, key group read in reverse
+    # (the same pairs as the query group reversed; q, the larger, is only reshaped).
+    q_rows = q.reshape(b, geom.kv_heads, g, lq // s, s * d)
+    k_cols = k.reshape(b, geom.kv_heads, k.shape[2] // s, s, d)[:, :, :, ::-1, :]
+    k_cols = k_cols.reshape(b, geom.kv_heads, k.shape[2] // s, s * d)
+    # 4-byte inputs need HIGHEST; 2-byte inputs' products are exact in float32 anyway
+    precision = _HIGHEST if q.dtype.itemsize >= 4 else None
     a = jnp.einsum("bhgid,bhjd->bhgij", q_rows, k_cols,
-                   preferred_element_type=jnp.float32, precision=_HIGHEST)
+                   preferred_element_type=jnp.float32, precision=precision)
     return a.reshape(b, hq, lq // s, -1) * jnp.float32(geom.scale / norm)
 
 

@@ -51,10 +51,12 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, same dtype (float32, bfloat16, float16).
     key_len: int32 `[1]`, the keys in use when k is a buffer padded to a capacity
-    (non-causal only; the default is all Lk): later keys are never visible, and one
-    compiled kernel serves every key_len. block_table: int32 `[B, pages_per_seq]` when k
-    is a paged cache `[num_pages, page_size, Hkv, D]` (Lk = pages_per_seq * page_size):
-    the kernel reads each sequence's pages through the table, no gathered copy.
+    (non-causal only; the default is all Lk; more than Lk counts as Lk): later keys are
+    never visible, whatever the buffer holds there, and one compiled kernel serves every
+    key_len. block_table: int32 `[B, pages_per_seq]` when k is a paged cache
+    `[num_pages, page_size, Hkv, D]` (Lk = pages_per_seq * page_size): the kernel reads
+    each sequence's pages through the table, no gathered copy; entries past key_len's
+    pages may hold anything.
     `tiling` defaults to the measured `default_tiling`; `passes` (1 or 2) to the
     one-pass kernel if one row step of it fits in `max_scratch_bytes` of scratch
     (default `scratch_bound(geom)`).

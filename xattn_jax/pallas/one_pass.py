@@ -15,6 +15,9 @@ and p[t, r, u] = x * 2^(m - M) / L: exactly the softmax mass of each row in each
 then sums rows and units into blocks. Each score is computed once, at the price of a
 scratch of (1 + cols / unit) floats per row and key tile (`row_scratch_bytes`); calls
 whose scratch would exceed a bound walk the query rows in steps (`rows_per_call`).
+Where keys are read unmasked and their count is data, the column of a partly filled last
+stride group is scored outside the kernel and merged into these statistics
+(`_split_last_group`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xattn_jax import reference
 from xattn_jax.geometry import Geometry
 from xattn_jax.pallas.grid import COL_AXIS, ROW_AXIS, head_spec, kernel_grid
-from xattn_jax.pallas.row_tile import RowTile, key_operands, row_tile_refs
+from xattn_jax.pallas.row_tile import LOG2_E, RowTile, key_operands, keys_fit, row_tile_refs
 from xattn_jax.pallas.tiling import Tiling
 
 def _unit(geom: Geometry, tiling: Tiling) -> int:
@@ -71,10 +75,10 @@ def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int
 
 
 def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
-                       tiling: Tiling, paged: bool):
+                       tiling: Tiling, paged: bool, row_extent: int):
     table_ref, scalars_ref, (max_ref, sum_ref) = row_tile_refs(refs, paged)
     tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
-                   norm=norm, tiling=tiling)
+                   norm=norm, tiling=tiling, row_extent=row_extent, whole_groups=True)
     rows, span = tiling.rows, tiling.key_span(geom)
     unit = _unit(geom, tiling)
     per_tile = tiling.cols // unit
@@ -157,6 +161,47 @@ def _combine(maxes: jax.Array, sums: jax.Array, geom: Geometry, unit: int, first
     return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)
 
 
+def _split_last_group(q, k, key_len, block_table, geom: Geometry, norm: float):
+    """Splits a traced key count for a kernel that reads keys unmasked (`keys_fit`):
+    the kernel gets the count rounded down to whole stride groups, and the column of the
+    partly filled group after them (its tokens past the count read as zeros) is scored
+    here, by the reference's section 1, for `_add_column` to merge into the kernel's
+    statistics. Keys past the count never enter a score.
+
+    Returns the whole groups' tokens (int32 `[1]`), the column's index, its scores
+    A * log2(e) (float32 `[B, Hq, q_rows]`) and whether there is such a column.
+    """
+    s = geom.stride
+    count = jnp.minimum(key_len[0], geom.k_len)
+    whole = count - count % s
+    # A count of whole groups may end at Lk: then no token of the group is real.
+    tokens = jnp.minimum(whole, geom.k_len - s) + jnp.arange(s)
+    if block_table is None:
+        group = jax.lax.dynamic_slice_in_dim(k, tokens[0], s, axis=2)
+    else:  # pages [num_pages, page_size, Hkv, D]; table entries past the keys: anything
+        pages = jnp.clip(block_table[:, tokens // k.shape[1]], 0, k.shape[0] - 1)
+        group = k[pages, tokens % k.shape[1]].transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
+    real = (tokens >= whole) & (tokens < count)
+    group = jnp.where(real[:, None], group, jnp.zeros((), group.dtype))
+    scores = reference.strided_scores(q, group, geom, norm)[..., 0] * jnp.float32(LOG2_E)
+    return whole.reshape(1), whole // s, scores, count != whole
+
+
+def _add_column(maxes, sums, scores, column, cols: int, unit: int, present):
+    """The kernel's statistics (maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]`) with one
+    more column of key tile column // cols, of scores `[B, Hq, R]`, where `present`."""
+    tile = column // cols
+    m = jax.lax.dynamic_index_in_dim(maxes, tile, axis=2, keepdims=False)
+    x = jax.lax.dynamic_index_in_dim(sums, tile, axis=2, keepdims=False)
+    m_new = jnp.maximum(m, scores)
+    own_unit = jnp.arange(sums.shape[-1]) == (column % cols) // unit
+    x_new = x * jnp.exp2(m - m_new)[..., None] \
+        + jnp.where(own_unit, jnp.exp2(scores - m_new)[..., None], 0.0)
+    maxes = jax.lax.dynamic_update_index_in_dim(maxes, jnp.where(present, m_new, m), tile, 2)
+    sums = jax.lax.dynamic_update_index_in_dim(sums, jnp.where(present, x_new, x), tile, 2)
+    return maxes, sums
+
+
 def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
                         block_table, tiling: Tiling, call_rows: int,
                         interpret: bool) -> jax.Array:
@@ -166,12 +211,20 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
     key_tiles = _stored_key_tiles(geom, tiling)
     unit = _unit(geom, tiling)
     per_tile = tiling.cols // unit
+    one_call = call_rows >= geom.q_rows
+    # The last of several calls ends at the last query block.
+    row_extent = call_rows if one_call else geom.q_blocks * geom.block_rows
     kernel = functools.partial(_tile_stats_kernel, geom=geom, causal=causal, norm=norm,
-                               tiling=tiling, paged=block_table is not None)
+                               tiling=tiling, paged=block_table is not None,
+                               row_extent=row_extent)
     stats_shape = (geom.batch, geom.q_heads, key_tiles, call_rows)
 
+    kernel_keys, last_group = key_len, None
+    if key_len is not None and keys_fit(geom, tiling):
+        kernel_keys, *last_group = _split_last_group(q, k, key_len, block_table, geom, norm)
+
     def block_rows_from(first_row, q_blocks):
-        in_specs, operands = key_operands(q, k, key_len, block_table, geom, first_row)
+        in_specs, operands = key_operands(q, k, kernel_keys, block_table, geom, first_row)
         maxes, sums = pl.pallas_call(
             kernel,
             grid=grid,
@@ -183,9 +236,14 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
                                                  num_stages=tiling.num_stages),
             interpret=interpret,
         )(*operands)
+        if last_group is not None:
+            column, scores, present = last_group
+            scores = jax.lax.dynamic_slice_in_dim(_fit(scores, 2, row_extent), first_row,
+                                                  call_rows, axis=2)
+            maxes, sums = _add_column(maxes, sums, scores, column, tiling.cols, unit, present)
         return _combine(maxes, sums, geom, unit, first_row, q_blocks)
 
-    if call_rows >= geom.q_rows:  # one call
+    if one_call:
         return block_rows_from(0, geom.q_blocks)
     # Several calls, each writing its query blocks into the result in place; the last
     # one starts early enough to end at the last block (recomputing a few blocks the

@@ -28,28 +28,39 @@ class RowTile:
 
     q_ref: `[Lq, D]`; k_ref: `[Lk, D]`, or the whole paged cache with `table_ref` (that
     sequence's block table); scalars_ref: int32 `[2]`, the real keys (a padded cache
-    buffer holds fewer than Lk) and the first row of grid row tile 0 (a call may cover
-    only some of the rows).
+    buffer holds fewer than Lk; more count as Lk) and the first row of grid row tile 0
+    (a call may cover only some of the rows). row_extent: one past the last reshaped
+    query row any of the kernel's calls reads. whole_groups: the key count is Lk or a
+    multiple of S (see `keys_fit`).
+
+    Loads are unmasked wherever every token they read lies in its buffer: the query rows
+    read end within Lq, and for keys `keys_fit` and `whole_groups`. Triton pipelines
+    unmasked q and k loads 9-12% faster (tuning.md, note 15).
     """
 
     def __init__(self, q_ref, k_ref, table_ref, scalars_ref, *, geom: Geometry,
-                 causal: bool, norm: float, tiling: Tiling):
+                 causal: bool, norm: float, tiling: Tiling, row_extent: int,
+                 whole_groups: bool):
         self.geom, self.causal, self.norm, self.tiling = geom, causal, norm, tiling
-        self.q_ref = q_ref
         self.depth = tiling.step_depth(geom)
-        rows, cols = tiling.rows, tiling.cols
+        rows, cols, s = tiling.rows, tiling.cols, geom.stride
         self.row0 = scalars_ref[1] + pl.program_id(ROW_AXIS) * rows
         self.row_ids = self.row0 + jnp.arange(rows)
         self.row_real = self.row_ids < geom.q_rows
-        k_len = scalars_ref[0]  # read here, before any loop (see `load_tokens`)
-        self.k_cols = (k_len + geom.stride - 1) // geom.stride
+        q_bound = None if row_extent * s <= geom.q_len else geom.q_len
+        self.load_queries = functools.partial(load_tokens, q_ref, length=q_bound,
+                                              head_dim=geom.head_dim)
+        # read here, before any loop (see `load_tokens`)
+        k_len = jnp.minimum(scalars_ref[0], geom.k_len)
+        self.k_cols = (k_len + s - 1) // s
         if table_ref is None:
-            self.load_keys = functools.partial(load_tokens, k_ref, length=k_len,
-                                               head_dim=geom.head_dim)
+            key_loader = functools.partial(load_tokens, k_ref, head_dim=geom.head_dim)
         else:
-            self.load_keys = functools.partial(load_paged_tokens, k_ref, table_ref,
-                                               pl.program_id(HEAD_AXIS) // geom.group,
-                                               length=k_len, head_dim=geom.head_dim)
+            key_loader = functools.partial(load_paged_tokens, k_ref, table_ref,
+                                           pl.program_id(HEAD_AXIS) // geom.group,
+                                           head_dim=geom.head_dim)
+        unmasked = whole_groups and keys_fit(geom, tiling)
+        self.load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
         if causal:
             last_row = jnp.minimum(self.row0 + rows, geom.q_rows) - 1
             last_col = jnp.minimum(last_row + geom.row_offset, self.k_cols - 1)
@@ -73,14 +84,15 @@ class RowTile:
         """float32 `[rows, cols]`: A * log2(e) of key tile `col_tile`, -inf where a row may
         not see a column (past the real keys, or after the diagonal)."""
         rows, cols = self.tiling.rows, self.tiling.cols
-        a = score_tile(self.q_ref, self.load_keys, self.row0, col_tile * cols, rows=rows,
-                       cols=cols, geom=self.geom, scale=self._scale, depth=self.depth)
+        a = score_tile(self.load_queries, self.load_keys, self.row0, col_tile * cols,
+                       rows=rows, cols=cols, geom=self.geom, scale=self._scale,
+                       depth=self.depth)
         return self._mask(a, col_tile)
 
     def step_product(self, col_tile, step) -> jax.Array:
         """Step `step`'s share of key tile `col_tile`'s product, unscaled; `finish` turns
         the sum over all `steps` into `scores(col_tile)`."""
-        return step_product(self.q_ref, self.load_keys, self.row0,
+        return step_product(self.load_queries, self.load_keys, self.row0,
                             col_tile * self.tiling.cols, step, rows=self.tiling.rows,
                             cols=self.tiling.cols, geom=self.geom, depth=self.depth)
 
@@ -104,6 +116,15 @@ class RowTile:
             return jnp.where(seen, a, -jnp.inf)
 
         return jax.lax.cond(partial, masked, lambda a: a, a)
+
+
+def keys_fit(geom: Geometry, tiling: Tiling) -> bool:
+    """Whether the key tiles end within the key buffer (Lk tokens), so that every key
+    token a kernel reads is in it. Then Lk is a multiple of S, and RowTile reads keys
+    unmasked if its key count is a multiple of S too: keys past a shorter count read
+    whatever the buffer holds, which the column mask hides unless they share a stride
+    group with real keys."""
+    return tiling.key_tiles(geom) * tiling.cols * geom.stride <= geom.k_len
 
 
 def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0):

@@ -40,20 +40,34 @@ def _head_columns(head_dim: int, part, depth: int | None) -> tuple[jax.Array, ja
     return jnp.minimum(dims, head_dim - 1)[None, :], (dims < head_dim)[None, :]
 
 
+def _load(ref, mask):
+    """ref read as zeros where `mask` (None: everywhere) is false."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def _row_mask(tokens: jax.Array, length, col_mask):
+    """The load mask `[n, width]` (None: no mask) and the rows to read, clamped inside
+    `length` where one is given."""
+    if length is None:
+        return col_mask, tokens
+    mask = (tokens < length)[:, None]
+    return (mask if col_mask is None else mask & col_mask), jnp.minimum(tokens, length - 1)
+
+
 def load_tokens(ref, tokens: jax.Array, length, head_dim: int, part=0,
                 depth: int | None = None) -> jax.Array:
     """Token rows `tokens` (int32 `[n]`) of a `[L, head_dim]` ref, head-dim part `part`
     of `depth` columns (None: all, padded to a power of two): `[n, depth]`.
 
-    Rows at or past `length` (padding; an int, or a traced int32 read before the kernel's
-    loop: a scalar load inside the loop costs the pipeline its stages) and columns past
-    head_dim read as zeros.
+    length: rows at or past it read as zeros (an int, or a traced int32 read before the
+    kernel's loop: a scalar load inside the loop costs the pipeline its stages). None:
+    the caller has checked that every token is a row of ref, and the load has no row
+    mask: Triton pipelines unmasked q and k loads 9-12% faster (tuning.md, note 15).
+    Columns past head_dim read as zeros.
     """
     cols, col_mask = _head_columns(head_dim, part, depth)
-    mask = (tokens < length)[:, None]
-    mask = mask if col_mask is None else mask & col_mask
-    rows = jnp.minimum(tokens, length - 1)[:, None]
-    return plgpu.load(ref.at[rows, cols], mask=mask, other=0)
+    mask, rows = _row_mask(tokens, length, col_mask)
+    return _load(ref.at[rows[:, None], cols], mask)
 
 
 def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
@@ -62,17 +76,17 @@ def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
 
     pages_ref: `[num_pages, page_size, Hkv, D]`; table_ref: int32 `[pages_per_seq]`, the
     sequence's pages in order (token t lives in page table[t // page_size] at row
-    t % page_size); kv_head: the key head to read.
+    t % page_size); kv_head: the key head to read. With length None, table entries past
+    the sequence's pages may hold anything: page numbers are clamped into the cache.
     """
-    page_size = pages_ref.shape[1]
+    num_pages, page_size = pages_ref.shape[:2]
     cols, col_mask = _head_columns(head_dim, part, depth)
-    mask = (tokens < length)[:, None]
-    mask = mask if col_mask is None else mask & col_mask
-    slots = jnp.minimum(tokens, length - 1)
+    mask, slots = _row_mask(tokens, length, col_mask)
     pages = plgpu.load(table_ref.at[slots // page_size])
-    return plgpu.load(
-        pages_ref.at[pages[:, None], (slots % page_size)[:, None], kv_head, cols],
-        mask=mask, other=0)
+    if length is None:
+        pages = jnp.clip(pages, 0, num_pages - 1)
+    return _load(pages_ref.at[pages[:, None], (slots % page_size)[:, None], kv_head, cols],
+                 mask)
 
 
 def head_parts(geom: Geometry, depth: int) -> int:
@@ -81,7 +95,7 @@ def head_parts(geom: Geometry, depth: int) -> int:
     return next_pow2(geom.head_dim) // depth
 
 
-def step_product(q_ref, load_keys, row0, col0, step, *, rows: int, cols: int,
+def step_product(load_queries, load_keys, row0, col0, step, *, rows: int, cols: int,
                  geom: Geometry, depth: int) -> jax.Array:
     """One pipeline step's share of the strided product: float32 `[rows, cols]`.
 
@@ -90,31 +104,30 @@ def step_product(q_ref, load_keys, row0, col0, step, *, rows: int, cols: int,
     dividing the padded head dim).
     Reshaped row i holds query tokens i*S + S-1, ..., i*S (its group read in reverse) and
     column j key tokens j*S, ..., j*S + S-1, so member m pairs query token i*S + S-1-m
-    with key token j*S + m. q_ref: `[Lq, D]` (one batch and query head);
-    load_keys(tokens, part, depth) returns its key head's token rows (`load_tokens` or
-    `load_paged_tokens` with the real key count bound). Rows and columns past the real
-    tokens read zeros.
+    with key token j*S + m. load_queries(tokens, part, depth) and load_keys(...) return
+    one (batch, query head)'s query token rows and its key head's key token rows
+    (`load_tokens` or `load_paged_tokens`, bound by the real token counts or unmasked).
     """
     s, parts = geom.stride, head_parts(geom, depth)
     # lax.div/rem: step >= 0, and jnp's floor division lowers to i1 selects on GPU
     member, part = jax.lax.div(step, parts), jax.lax.rem(step, parts)
-    precision = (jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32
-                 else jax.lax.Precision.DEFAULT)
-    q_part = load_tokens(q_ref, (row0 + jnp.arange(rows)) * s + (s - 1 - member), geom.q_len,
-                         geom.head_dim, part, depth)
+    q_part = load_queries((row0 + jnp.arange(rows)) * s + (s - 1 - member), part=part,
+                          depth=depth)
     k_part = load_keys((col0 + jnp.arange(cols)) * s + member, part=part, depth=depth)
+    precision = (jax.lax.Precision.HIGHEST if q_part.dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
     return plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
 
 
-def score_tile(q_ref, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
+def score_tile(load_queries, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
                scale: float, depth: int) -> jax.Array:
     """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols): float32
     `[rows, cols]`, the sum of the step products times `scale` (A is scale =
     1 / (sqrt(D) * S * norm)). Arguments as `step_product`.
     """
     def add_step(step, acc):
-        return acc + step_product(q_ref, load_keys, row0, col0, step, rows=rows, cols=cols,
-                                  geom=geom, depth=depth)
+        return acc + step_product(load_queries, load_keys, row0, col0, step, rows=rows,
+                                  cols=cols, geom=geom, depth=depth)
 
     acc = jax.lax.fori_loop(0, geom.stride * head_parts(geom, depth), add_step,
                             jnp.zeros((rows, cols), jnp.float32))
@@ -130,9 +143,11 @@ def qk_specs(geom: Geometry) -> list[pl.BlockSpec]:
 def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float, tile: int):
     row0 = pl.program_id(ROW_AXIS) * tile
     col0 = pl.program_id(COL_AXIS) * tile
+    load_queries = functools.partial(load_tokens, q_ref, length=geom.q_len,
+                                     head_dim=geom.head_dim)
     load_keys = functools.partial(load_tokens, k_ref, length=geom.k_len,
                                   head_dim=geom.head_dim)
-    a = score_tile(q_ref, load_keys, row0, col0, rows=tile, cols=tile, geom=geom,
+    a = score_tile(load_queries, load_keys, row0, col0, rows=tile, cols=tile, geom=geom,
                    scale=geom.scale / norm, depth=next_pow2(geom.head_dim))
     mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
         & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]

@@ -30,10 +30,11 @@ from xattn_jax.pallas.tiling import Tiling
 
 
 def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
-                     tiling: Tiling, paged: bool):
+                     tiling: Tiling, paged: bool, row_tiles: int, whole_groups: bool):
     table_ref, scalars_ref, (out_ref,) = row_tile_refs(refs, paged)
     tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
-                   norm=norm, tiling=tiling)
+                   norm=norm, tiling=tiling, row_extent=row_tiles * tiling.rows,
+                   whole_groups=whole_groups)
     rows, cols = tiling.rows, tiling.cols
     fine = tiling.fine(geom)
     per_block = geom.block_rows // fine
@@ -85,11 +86,13 @@ def two_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
     out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
                  geom.k_blocks * per_block)
     in_specs, operands = key_operands(q, k, key_len, block_table, geom)
+    row_tiles = pl.cdiv(out_shape[2] * fine, tiling.rows)
     kernel = functools.partial(_two_pass_kernel, geom=geom, causal=causal, norm=norm,
-                               tiling=tiling, paged=block_table is not None)
+                               tiling=tiling, paged=block_table is not None,
+                               row_tiles=row_tiles, whole_groups=key_len is None)
     sums = pl.pallas_call(
         kernel,
-        grid=kernel_grid(geom, pl.cdiv(out_shape[2] * fine, tiling.rows)),
+        grid=kernel_grid(geom, row_tiles),
         in_specs=in_specs,
         out_specs=head_spec(out_shape[2:]),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
