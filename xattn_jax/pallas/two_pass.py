@@ -30,10 +30,10 @@ from xattn_jax.pallas.tiling import Tiling
 
 
 def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
-                     tiling: Tiling, paged: bool, row_tiles: int, whole_groups: bool):
+                     tiling: Tiling, paged: bool, row_extent: int, whole_groups: bool):
     table_ref, scalars_ref, (out_ref,) = row_tile_refs(refs, paged)
     tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
-                   norm=norm, tiling=tiling, row_extent=row_tiles * tiling.rows,
+                   norm=norm, tiling=tiling, row_extent=row_extent,
                    whole_groups=whole_groups)
     rows, cols = tiling.rows, tiling.cols
     fine = tiling.fine(geom)
@@ -89,7 +89,8 @@ def two_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
     row_tiles = pl.cdiv(out_shape[2] * fine, tiling.rows)
     kernel = functools.partial(_two_pass_kernel, geom=geom, causal=causal, norm=norm,
                                tiling=tiling, paged=block_table is not None,
-                               row_tiles=row_tiles, whole_groups=key_len is None)
+                               row_extent=row_tiles * tiling.rows,
+                               whole_groups=key_len is None)
     sums = pl.pallas_call(
         kernel,
         grid=kernel_grid(geom, row_tiles),
