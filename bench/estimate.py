@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -26,6 +27,8 @@ from xattn_jax import xattn_estimate  # noqa: E402
 
 HEADS, HEAD_DIM, STRIDE = 32, 128, 8
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+GQA_CASE = "gqa-64k-causal"
+PAIRED_ROUNDS = 3  # GQA and its MHA twin alternate this often (run-to-run drift is ~5%)
 
 
 def _cases() -> dict[str, tuple[int, int, int, int, bool]]:
@@ -36,7 +39,7 @@ def _cases() -> dict[str, tuple[int, int, int, int, bool]]:
         "causal-64k": (HEADS, 65536, 128, True, 10),
         "causal-128k": (HEADS, 131072, 128, True, 5),
         "causal-1m": (HEADS, 1 << 20, 128, True, 2),
-        "gqa-64k-causal": (8, 65536, 128, True, 10),
+        GQA_CASE: (8, 65536, 128, True, 10),
     })
     for length, name in ((16384, "16k"), (32768, "32k")):  # the seed's sweep; 64K is above
         cases.update({f"noncausal-{name}-b{b}": (HEADS, length, b, False, 20)
@@ -47,7 +50,11 @@ def _cases() -> dict[str, tuple[int, int, int, int, bool]]:
 CASES = _cases()
 
 
-def run_case(name: str, original=None) -> list[dict]:
+def run_case(name: str, original=None) -> tuple[list[dict], str | None]:
+    """The case's records (ours, then the original's if given) and a note for the report
+    (None but for the GQA case, timed in alternation with MHA on the same queries: its
+    target is to be no slower than MHA, a difference smaller than the drift between
+    rows timed minutes apart)."""
     kv_heads, length, block_size, causal, reps = CASES[name]
     keys = jax.random.split(jax.random.PRNGKey(len(name)), 2)
     q = jax.random.normal(keys[0], (1, HEADS, length, HEAD_DIM), jnp.bfloat16)
@@ -58,7 +65,22 @@ def run_case(name: str, original=None) -> list[dict]:
                               impl="pallas")
 
     floor = floor_ms(strided_flops(HEADS, length, length, STRIDE, HEAD_DIM, causal))
-    ms = time_ms(fn, [(q, k)], warmup=2, reps=reps)
+    note = None
+    if name == GQA_CASE:
+        k_mha = jax.random.normal(keys[1], (1, HEADS, length, HEAD_DIM), jnp.bfloat16)
+        times = {"GQA": [], "MHA": []}
+        for _ in range(PAIRED_ROUNDS):
+            for what, keys_of in (("GQA", k), ("MHA", k_mha)):
+                times[what].append(time_ms(fn, [(q, keys_of)], warmup=2, reps=reps))
+        ms, mha_ms = (statistics.median(times[w]) for w in ("GQA", "MHA"))
+        note = (f"{name}, timed in alternation with MHA (Hkv = 32, same queries) over "
+                f"{PAIRED_ROUNDS} rounds: GQA {ms:.3f} ms (rounds "
+                f"{', '.join(f'{t:.3f}' for t in times['GQA'])}), MHA {mha_ms:.3f} ms "
+                f"(rounds {', '.join(f'{t:.3f}' for t in times['MHA'])})")
+        log(note)
+        del k_mha
+    else:
+        ms = time_ms(fn, [(q, k)], warmup=2, reps=reps)
     rows = [record(name, "xattn-jax", ms, floor, jax_extra_mib(fn, q, k))]
     log(f"{name}: {ms:.3f} ms, {ms / floor:.2f} x floor, {rows[0]['extra_mib']:.0f} MiB")
     if original is not None:
@@ -71,7 +93,7 @@ def run_case(name: str, original=None) -> list[dict]:
             rows.append(record(name, "original", orig_ms, floor, orig_mib))
             log(f"{name}: original {orig_ms:.3f} ms, {orig_mib:.0f} MiB")
     del q, k
-    return rows
+    return rows, note
 
 
 def main(argv=None) -> None:
@@ -91,14 +113,18 @@ def main(argv=None) -> None:
         from bench import original as original_module
         original_module.load(args.compare_original)
         original = original_module
-    records = []
+    records, notes = [], []
     for i, name in enumerate(names):
         log(f"[{i + 1}/{len(names)}] {name}")
-        records += run_case(name, original)
+        rows, note = run_case(name, original)
+        records += rows
+        notes += [note] if note else []
         if args.json:  # after every case, so a cut-short run keeps what it measured
             write_json(args.json, records)
     print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
     print(markdown_table(records))
+    for note in notes:
+        print(f"\n{note}")
 
 
 if __name__ == "__main__":

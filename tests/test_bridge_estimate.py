@@ -169,20 +169,25 @@ class TestCuda:
         assert_same((sums, mask), xattn_jax.xattn_estimate(jax_of(q), jax_of(k), **kwargs),
                     rand)
 
-    def test_inputs_written_on_a_side_stream(self, rand):
-        """q and k written on a side stream after a long sleep: the estimate sees them."""
+    @pytest.mark.parametrize("late", ["q", "k", "qk"])
+    def test_inputs_written_on_a_side_stream(self, late, rand):
+        """q, k or both written on a side stream after a long sleep: the estimate sees
+        them (only q's view carries the stream order; k's rides on it)."""
         shape = (1, 4, 2, 512, 512, 64)
         kwargs = dict(block_size=64, stride=8, causal=True)
         q_src, k_src = qk(rand, shape, torch.bfloat16, device="cuda")
         expected = xattn_jax.xattn_estimate(jax_of(q_src), jax_of(k_src), **kwargs)
         bridge.xattn_estimate(q_src, k_src, **kwargs)  # compile
-        q, k = torch.zeros_like(q_src), torch.zeros_like(k_src)
+        q = torch.zeros_like(q_src) if "q" in late else q_src.clone()
+        k = torch.zeros_like(k_src) if "k" in late else k_src.clone()
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             torch.cuda._sleep(1 << 29)
-            q.copy_(q_src)
-            k.copy_(k_src)
+            if "q" in late:
+                q.copy_(q_src)
+            if "k" in late:
+                k.copy_(k_src)
             sums, mask = bridge.xattn_estimate(q, k, **kwargs)
             sums, mask = sums.clone(), mask.clone()
         side.synchronize()

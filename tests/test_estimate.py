@@ -153,6 +153,29 @@ def test_compiles_once_per_shape(impl, rand):
     assert cache() == before + 2
 
 
+def test_inside_callers_jit(impl, rand):
+    """xattn_estimate and select_blocks inside a caller's jax.jit, traced for two shapes,
+    give what direct calls give. A threshold first seen inside a trace (a value no other
+    test uses) must not leave that trace's tracer in the threshold cache."""
+    threshold = 0.8765 + 1e-4 * rand.rng.integers(1000)
+    case = CAUSAL
+
+    @jax.jit
+    def both(q, k):
+        sums, mask = case.run(q, k, threshold, impl.api)
+        return sums, mask, xattn_jax.select_blocks(sums, threshold, causal=True,
+                                                   impl=impl.api)
+
+    for q_len in (case.q_len, case.q_len + case.block_size):
+        shape = dataclasses.replace(case, q_len=q_len, k_len=q_len)
+        q, k = shape.inputs(rand)
+        sums, mask, again = map(np.asarray, both(q, k))
+        direct_sums, direct_mask = map(np.asarray, shape.run(q, k, threshold, impl.api))
+        np.testing.assert_allclose(sums, direct_sums, rtol=1e-6, err_msg=f"{impl} {rand}")
+        assert np.array_equal(mask, direct_mask), f"{impl} {rand}"
+        assert np.array_equal(again, mask), f"{impl} {rand}"
+
+
 # --- NaN / inf policy (xattn_estimate's docstring) -------------------------------------
 
 def _allowed(case: ApiCase):

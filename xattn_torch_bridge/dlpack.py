@@ -193,12 +193,19 @@ def _current_stream(index: int) -> torch.cuda.Stream:
     return stream
 
 
-def view_in_jax(tensor: torch.Tensor, place: Place) -> jax.Array:
-    """The JAX array over `tensor`'s memory, for a tensor checked by `place_of` and ordered
-    by `jax_waits_for_torch`."""
+def view_in_jax(tensor: torch.Tensor, place: Place, ordered: bool = True) -> jax.Array:
+    """The JAX array over `tensor`'s memory, for a tensor checked by `place_of`.
+
+    ordered: the array's definition event is recorded on JAX's external-buffer stream, so
+    JAX work reading it waits for what `jax_waits_for_torch` ordered before it. False:
+    the array counts as ready at once (about 8 us less here and 10 us less when a
+    computation starts, measured on the H200). Only for an array that is read solely by
+    computations that also read an ordered one made after the same `jax_waits_for_torch`:
+    a computation waits for every input's event before it starts.
+    """
     return _jax.dlpack_managed_tensor_to_buffer(
-        torch.utils.dlpack.to_dlpack(tensor), place.jax_device, place.jax_stream, False,
-        place.dl_type)
+        torch.utils.dlpack.to_dlpack(tensor), place.jax_device,
+        place.jax_stream if ordered else None, False, place.dl_type)
 
 
 def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:

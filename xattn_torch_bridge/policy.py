@@ -101,9 +101,10 @@ class XAttentionPolicy:
         table, _ = place_of(table, "block table", False)
         impl = self.impl if place.index is not None else _impl_for_cpu(self.impl)
         jax_waits_for_torch(place)
+        # q's ordered view orders the one computation that reads all three.
         scores = xattn_jax.kv_block_scores(
-            view_in_jax(q, place), view_in_jax(keys, place),
-            block_table=view_in_jax(table, place), k_len=k_len,
+            view_in_jax(q, place), view_in_jax(keys, place, ordered=False),
+            block_table=view_in_jax(table, place, ordered=False), k_len=k_len,
             kv_block_size=cache.block_size, estimate_block_size=self.estimate_block_size,
             stride=self.stride, norm=self.norm, per_query_block=self.rule == "vote",
             impl=impl)
