@@ -5,15 +5,17 @@ normalized, and block sums add up rows that normalize differently. So the kernel
 per reshaped query row and key tile t (score tile from `RowTile`):
 
 - m[t, r] = max over the tile's columns of A'[r, c] (A' = A * log2(e));
-- x[t, r, u] = sum over the columns c of unit u of 2^(A'[r, c] - m[t, r]),
+- x[t, r, u] = sum over the columns c of unit u of 2^(A'[r, c] - m[t, r]);
+- s[t, r] = sum_u x[t, r, u] (stored only where a tile has several units: the epilogue
+  then reads the large x once, not twice; 2-3% of a causal 64K call at block 128),
 
 where a unit is `unit = gcd(block_rows, cols)` columns (a block is a whole number of
 units). Every key tile is independent, so programs can split a row's keys among them
 (`Tiling.key_span` tiles each) and a short chunk of queries still fills the GPU. The
-epilogue (plain JAX, fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) sum_u x,
+epilogue (plain JAX, fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) s,
 and p[t, r, u] = x * 2^(m - M) / L: exactly the softmax mass of each row in each unit,
 then sums rows and units into blocks. Each score is computed once, at the price of a
-scratch of (1 + cols / unit) floats per row and key tile (`row_scratch_bytes`); calls
+scratch of (2 + cols / unit) floats per row and key tile (`row_scratch_bytes`); calls
 whose scratch would exceed a bound walk the query rows in steps (`rows_per_call`).
 Where keys are read unmasked and their count is data, the column of a partly filled last
 stride group is scored outside the kernel and merged into these statistics
@@ -49,9 +51,15 @@ def _stored_key_tiles(geom: Geometry, tiling: Tiling) -> int:
     return _key_groups(geom, tiling) * tiling.key_span(geom)
 
 
+def _units(geom: Geometry, tiling: Tiling) -> int:
+    """Units per key tile: x's last axis."""
+    return tiling.cols // _unit(geom, tiling)
+
+
 def row_scratch_bytes(geom: Geometry, tiling: Tiling) -> int:
-    """Scratch bytes per reshaped query row (m and x for every key tile and head)."""
-    per_tile = 1 + tiling.cols // _unit(geom, tiling)
+    """Scratch bytes per reshaped query row (m, x and s for every key tile and head)."""
+    units = _units(geom, tiling)
+    per_tile = 1 + units + (units > 1)
     return (geom.batch * geom.q_heads * _stored_key_tiles(geom, tiling) * per_tile
             * jnp.dtype(jnp.float32).itemsize)
 
@@ -76,29 +84,33 @@ def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int
 
 def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
                        tiling: Tiling, paged: bool, row_extent: int):
-    table_ref, scalars_ref, (max_ref, sum_ref) = row_tile_refs(refs, paged)
+    table_ref, scalars_ref, (max_ref, sum_ref, *total_ref) = row_tile_refs(refs, paged)
     tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
                    norm=norm, tiling=tiling, row_extent=row_extent, whole_groups=True)
     rows, span = tiling.rows, tiling.key_span(geom)
     unit = _unit(geom, tiling)
-    per_tile = tiling.cols // unit
+    per_tile = _units(geom, tiling)
     first = pl.program_id(COL_AXIS) * span
     seen = jnp.clip(tile.visible_tiles - first, 0, span)
     row0 = pl.program_id(ROW_AXIS) * rows  # in this call's scratch (tile.row0 counts all rows)
 
-    def store(col_tile, m, x):
+    def store(col_tile, m, x, total):
         plgpu.store(max_ref.at[col_tile, pl.ds(row0, rows)], m)
         if per_tile == 1:  # x: [rows], in m's layout (no reshape: Triton pays for those)
             plgpu.store(sum_ref.at[col_tile, pl.ds(row0, rows), jnp.int32(0)], x)
         else:
             plgpu.store(sum_ref.at[col_tile, pl.ds(row0, rows), :], x)
+            plgpu.store(total_ref[0].at[col_tile, pl.ds(row0, rows)], total)
 
     def tile_stats(col_tile, a):
         m = a.max(axis=1)
         shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing here: x = 0
         p = jnp.exp2(a - shift[:, None])
-        x = p.sum(axis=1) if per_tile == 1 else p.reshape(rows, per_tile, unit).sum(axis=2)
-        store(col_tile, m, x)
+        if per_tile == 1:
+            store(col_tile, m, p.sum(axis=1), None)
+        else:
+            x = p.reshape(rows, per_tile, unit).sum(axis=2)
+            store(col_tile, m, x, x.sum(axis=1))
 
     # One loop over (key tile, step) pairs: Triton pipelines the loads across key tiles
     # (measured 2-12% faster than a loop over tiles around `score_tile`'s loop).
@@ -119,7 +131,8 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: 
 
     def unseen(i, carry):  # loops from 0: a traced lower bound trips jax 0.11.2
         zeros = jnp.zeros((rows,) if per_tile == 1 else (rows, per_tile), jnp.float32)
-        store(first + seen + i, jnp.full((rows,), -jnp.inf, jnp.float32), zeros)
+        store(first + seen + i, jnp.full((rows,), -jnp.inf, jnp.float32), zeros,
+              jnp.zeros((rows,), jnp.float32))
         return carry
 
     jax.lax.fori_loop(0, span - seen, unseen, None)
@@ -134,10 +147,11 @@ def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def _combine(maxes: jax.Array, sums: jax.Array, geom: Geometry, unit: int, first_row,
-             q_blocks: int) -> jax.Array:
-    """maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]` of rows first_row .. first_row + R
-    -> block sums `[B, Hq, q_blocks, kb]` of those rows.
+def _combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry,
+             unit: int, first_row, q_blocks: int) -> jax.Array:
+    """maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]` and totals `[B, Hq, T, R]` (sums
+    summed over P) of rows first_row .. first_row + R -> block sums `[B, Hq, q_blocks,
+    kb]` of those rows.
 
     Written in the kernel's layout, rows summed into blocks first, so that XLA fuses the
     weighting into that reduction and no temporary as large as the scratch is made.
@@ -145,12 +159,11 @@ def _combine(maxes: jax.Array, sums: jax.Array, geom: Geometry, unit: int, first
     b, h, key_tiles, rows = maxes.shape
     row_max = maxes.max(axis=2, keepdims=True)  # [B, Hq, 1, R]
     scale = jnp.exp2(maxes - row_max)  # [B, Hq, T, R]
-    tile_sums = sums.sum(axis=4)
-    total = (tile_sums * scale).sum(axis=2, keepdims=True)
+    total = (totals * scale).sum(axis=2, keepdims=True)
     # Padded rows, and rows that see no key at all (an empty cache: every x is 0), add
     # nothing. A row holding a NaN stays NaN even where a maximum skipped the NaN: its x
     # is NaN.
-    empty = (row_max == -jnp.inf) & (tile_sums.sum(axis=2, keepdims=True) == 0)
+    empty = (row_max == -jnp.inf) & (totals.sum(axis=2, keepdims=True) == 0)
     counts = ((first_row + jnp.arange(rows)) < geom.q_rows) & ~empty
     probs = jnp.where(counts[..., None], sums * (scale / total)[..., None], 0.0)
     probs = _fit(probs, 3, q_blocks * geom.block_rows)
@@ -187,19 +200,25 @@ def _split_last_group(q, k, key_len, block_table, geom: Geometry, norm: float):
     return whole.reshape(1), whole // s, scores, count != whole
 
 
-def _add_column(maxes, sums, scores, column, cols: int, unit: int, present):
-    """The kernel's statistics (maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]`) with one
-    more column of key tile column // cols, of scores `[B, Hq, R]`, where `present`."""
+def _add_column(maxes, sums, totals, scores, column, cols: int, unit: int, present):
+    """The kernel's statistics (maxes and totals `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]`)
+    with one more column of key tile column // cols, of scores `[B, Hq, R]`, where
+    `present`."""
     tile = column // cols
-    m = jax.lax.dynamic_index_in_dim(maxes, tile, axis=2, keepdims=False)
-    x = jax.lax.dynamic_index_in_dim(sums, tile, axis=2, keepdims=False)
+
+    def at_tile(a):
+        return jax.lax.dynamic_index_in_dim(a, tile, axis=2, keepdims=False)
+
+    def update(a, new, old):
+        return jax.lax.dynamic_update_index_in_dim(a, jnp.where(present, new, old), tile, 2)
+
+    m, x, t = at_tile(maxes), at_tile(sums), at_tile(totals)
     m_new = jnp.maximum(m, scores)
+    rescale, added = jnp.exp2(m - m_new), jnp.exp2(scores - m_new)
     own_unit = jnp.arange(sums.shape[-1]) == (column % cols) // unit
-    x_new = x * jnp.exp2(m - m_new)[..., None] \
-        + jnp.where(own_unit, jnp.exp2(scores - m_new)[..., None], 0.0)
-    maxes = jax.lax.dynamic_update_index_in_dim(maxes, jnp.where(present, m_new, m), tile, 2)
-    sums = jax.lax.dynamic_update_index_in_dim(sums, jnp.where(present, x_new, x), tile, 2)
-    return maxes, sums
+    x_new = x * rescale[..., None] + jnp.where(own_unit, added[..., None], 0.0)
+    return (update(maxes, m_new, m), update(sums, x_new, x),
+            update(totals, t * rescale + added, t))
 
 
 def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
@@ -210,7 +229,7 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
     grid = kernel_grid(geom, call_rows // tiling.rows, _key_groups(geom, tiling))
     key_tiles = _stored_key_tiles(geom, tiling)
     unit = _unit(geom, tiling)
-    per_tile = tiling.cols // unit
+    per_tile = _units(geom, tiling)
     one_call = call_rows >= geom.q_rows
     # The last of several calls ends at the last query block.
     row_extent = call_rows if one_call else geom.q_blocks * geom.block_rows
@@ -225,23 +244,25 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
 
     def block_rows_from(first_row, q_blocks):
         in_specs, operands = key_operands(q, k, kernel_keys, block_table, geom, first_row)
-        maxes, sums = pl.pallas_call(
+        shapes = [stats_shape, stats_shape + (per_tile,)] + [stats_shape] * (per_tile > 1)
+        maxes, sums, *totals = pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[head_spec(stats_shape[2:]), head_spec(stats_shape[2:] + (per_tile,))],
-            out_shape=[jax.ShapeDtypeStruct(stats_shape, jnp.float32),
-                       jax.ShapeDtypeStruct(stats_shape + (per_tile,), jnp.float32)],
+            out_specs=[head_spec(shape[2:]) for shape in shapes],
+            out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes],
             compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                                  num_stages=tiling.num_stages),
             interpret=interpret,
         )(*operands)
+        totals = totals[0] if totals else sums[..., 0]
         if last_group is not None:
             column, scores, present = last_group
             scores = jax.lax.dynamic_slice_in_dim(_fit(scores, 2, row_extent), first_row,
                                                   call_rows, axis=2)
-            maxes, sums = _add_column(maxes, sums, scores, column, tiling.cols, unit, present)
-        return _combine(maxes, sums, geom, unit, first_row, q_blocks)
+            maxes, sums, totals = _add_column(maxes, sums, totals, scores, column,
+                                              tiling.cols, unit, present)
+        return _combine(maxes, sums, totals, geom, unit, first_row, q_blocks)
 
     if one_call:
         return block_rows_from(0, geom.q_blocks)
