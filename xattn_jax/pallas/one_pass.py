@@ -6,8 +6,8 @@ per reshaped query row and key tile t (score tile from `RowTile`):
 
 - m[t, r] = max over the tile's columns of A'[r, c] (A' = A * log2(e));
 - x[t, r, u] = sum over the columns c of unit u of 2^(A'[r, c] - m[t, r]);
-- s[t, r] = sum_u x[t, r, u] (stored only where a tile has several units: the epilogue
-  then reads the large x once, not twice; 2-3% of a causal 64K call at block 128),
+- s[t, r] = sum_u x[t, r, u], stored where a tile has several units, so that the
+  epilogue reads the large x once, not twice (tuning.md note 18),
 
 where a unit is `unit = gcd(block_rows, cols)` columns (a block is a whole number of
 units). Every key tile is independent, so programs can split a row's keys among them
@@ -15,8 +15,9 @@ units). Every key tile is independent, so programs can split a row's keys among 
 epilogue (plain JAX, fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) s,
 and p[t, r, u] = x * 2^(m - M) / L: exactly the softmax mass of each row in each unit,
 then sums rows and units into blocks. Each score is computed once, at the price of a
-scratch of (2 + cols / unit) floats per row and key tile (`row_scratch_bytes`); calls
-whose scratch would exceed a bound walk the query rows in steps (`rows_per_call`).
+scratch of 1 + cols / unit floats (one more with several units) per row and key tile
+(`row_scratch_bytes`); calls whose scratch would exceed a bound walk the query rows in
+steps (`rows_per_call`).
 Where keys are read unmasked and their count is data, the column of a partly filled last
 stride group is scored outside the kernel and merged into these statistics
 (`_split_last_group`).
