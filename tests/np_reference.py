@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+MIN_AMBIGUOUS = 8  # ambiguous rows `assert_masks_agree` accepts whatever the row count
+
 
 def f64(x) -> np.ndarray:
     """Any array (jax, numpy, bfloat16, float16) as float64 numpy, upcasting exactly."""
@@ -211,9 +213,14 @@ def ambiguous_rows(sums, threshold, *, causal: bool, keep_sink: bool = False,
 def assert_masks_agree(mask, expected, sums, threshold, *, causal: bool,
                        keep_sink: bool = False, keep_recent: bool = False,
                        rtol: float = 1e-5, near_ties: bool = False, msg: str = "",
-                       max_ambiguous: float = 0.02) -> int:
+                       max_ambiguous: float = 0.1) -> int:
     """Masks must agree exactly except on ambiguous rows, which must be rare.
 
+    The bound on ambiguous rows (`max_ambiguous` of them, at least MIN_AMBIGUOUS) guards
+    against a comparison that checks next to nothing; it is not a statistical test. On
+    random sums with 80-200 rows of up to 200 blocks, 0.3-0.7% of rows came out ambiguous
+    (1500 seeds: up to 5 of 80 rows and 8 of 200), so a tighter bound (2%) failed about
+    1 run in 100 for no fault of the code.
     Returns the number of ambiguous rows (so callers can report it).
     """
     mask, expected = np.asarray(mask), np.asarray(expected)
@@ -230,7 +237,7 @@ def assert_masks_agree(mask, expected, sums, threshold, *, causal: bool,
             f"expected {expected[bi, hi, r].astype(int)}\nthreshold "
             f"{thresholds(threshold, mask.shape[1])[hi]}")
     rows = amb.size
-    assert amb.sum() <= max(2, max_ambiguous * rows), \
+    assert amb.sum() <= max(MIN_AMBIGUOUS, max_ambiguous * rows), \
         f"{msg}: {amb.sum()} of {rows} rows are ambiguous; that should be rare"
     return int(amb.sum())
 
