@@ -166,7 +166,7 @@ SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # 3, 3 and 4 row steps
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
 def test_one_pass_in_several_calls(pallas_impl, case, rand):
     """With a scratch bound of one row step, the one-pass kernel covers the query rows in
-    several calls (lax.map over row steps): the same block sums as one call."""
+    several calls, one after another: the same block sums as one call."""
     from xattn_jax.pallas.block_sums import block_sums
     from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
     from xattn_jax.pallas.tiling import Tiling
