@@ -48,13 +48,14 @@ see bench/bridge_overhead.py). The torch capsule comes from `torch.utils.dlpack.
 (what `Tensor.__dlpack__` returns after 2-3 us of argument handling) and JAX views it with
 jaxlib's `dlpack_managed_tensor_to_buffer` (where `jax.dlpack.from_dlpack` ends); the JAX
 capsule comes from jaxlib's `buffer_to_dlpack_managed_tensor` (where `jax.Array.__dlpack__`
-ends) and torch views it with `torch.utils.dlpack.from_dlpack`. The stream-order step that
-`Tensor.__dlpack__(stream=...)` performs with a new event and stream object per call is
-done here with one reused event per thread; the stream handed to JAX's export is the one
-`torch.from_dlpack` passes, read with `torch._C._cuda_getCurrentRawStream` (the call
-Triton and inductor use). Both jaxlib functions are private, with these signatures from
-jax 0.10.2 to 0.11. Devices are looked up once per torch device (to_jax) and once per JAX
-sharding (to_torch).
+ends) and torch views it with `torch._C._from_dlpack` (where `torch.from_dlpack` ends).
+The stream-order step that `Tensor.__dlpack__(stream=...)` performs with a new event and
+stream object per call is done here with one reused event per thread, through the event's
+C++ methods; the stream handed to JAX's export is the one `torch.from_dlpack` passes, read
+with `torch._C._cuda_getCurrentRawStream` (the call Triton and inductor use). These
+jaxlib and torch functions are private; the jaxlib ones have these signatures from
+jax 0.10.2 to 0.11, the torch ones from torch 2.11 to 2.13. Devices are looked up once per
+torch device (to_jax) and once per JAX sharding (to_torch).
 """
 
 from __future__ import annotations
@@ -178,8 +179,9 @@ def jax_waits_for_torch(place: Place) -> None:
     if place.jax_stream is None:
         return
     event = _event(place.index)
-    event.record(_current_stream(place.index))
-    event.wait(place.jax_stream_torch)
+    # torch.cuda.Event's C++ methods without their Python wrappers (1.5 us of a hand-off)
+    torch._C._CudaEventBase.record(event, _current_stream(place.index))
+    torch._C._CudaEventBase.wait(event, place.jax_stream_torch)
 
 
 def _current_stream(index: int) -> torch.cuda.Stream:
@@ -251,4 +253,5 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     if index is _UNKNOWN:
         index = _torch_index(array)
     stream = None if index is None else consumer_stream(index)
-    return torch.utils.dlpack.from_dlpack(_jax.buffer_to_dlpack_managed_tensor(array, stream))
+    # what torch.utils.dlpack.from_dlpack calls for a capsule, without its checks (1 us)
+    return torch._C._from_dlpack(_jax.buffer_to_dlpack_managed_tensor(array, stream))
