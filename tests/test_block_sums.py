@@ -206,6 +206,32 @@ def test_row_steps_are_as_few_and_as_small_as_possible(fit_steps):
     assert (call_rows - step) * calls < geom.q_rows, f"{calls} calls of {call_rows} rows"
 
 
+@pytest.mark.parametrize("length, block_size, causal, one_step", [
+    (65536, 64, False, True), (65536, 128, True, True), (65536, 4096, False, True),
+    (131072, 128, True, False)])
+def test_default_scratch_bound(length, block_size, causal, one_step):
+    """The default bound runs a call in one step where its whole scratch fits in 1.5 GiB
+    (every 64K call at 32 heads: steps measured 6-17% slower there) and steps within
+    48 MiB beyond (the 128K causal call: its workspace target is 64 MiB)."""
+    import jax
+
+    from xattn_jax.pallas import block_sums as bs
+    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.tiling import default_tiling
+
+    shape = jax.ShapeDtypeStruct((1, 32, length, 128), jnp.bfloat16)
+    geom = check_qk(shape, shape, stride=8, block_size=block_size, causal=causal)
+    tiling = default_tiling(geom, jnp.bfloat16, causal)
+    call_rows = rows_per_call(geom, tiling, bs.scratch_bound(geom, tiling))
+    scratch = row_scratch_bytes(geom, tiling) * call_rows
+    whole = row_scratch_bytes(geom, tiling) * -(-geom.q_rows // tiling.rows) * tiling.rows
+    assert (whole <= bs.ONE_PASS_WHOLE_CALL_BYTES) == one_step, whole / 2**30
+    if one_step:
+        assert call_rows >= geom.q_rows and scratch == whole
+    else:
+        assert call_rows < geom.q_rows and scratch <= bs.ONE_PASS_STEP_BYTES
+
+
 PAD_CASES = [CASES[12], CASES[1]]  # c130 (-> 136), nc37x131 s4 (-> 40 x 132)
 
 

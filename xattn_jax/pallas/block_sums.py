@@ -2,8 +2,9 @@
 never storing the score matrix. Two kernels do it:
 
 - `one_pass`: every score once; stores two small row statistics per row and key tile
-  and combines them exactly afterwards. Its scratch is bounded (`scratch_bound`): longer
-  calls cover the query rows in several kernel calls, one after another;
+  and combines them exactly afterwards. Its scratch is bounded (`scratch_bound`): a call
+  whose whole scratch is large covers the query rows in several kernel calls, one after
+  another;
 - `two_pass`: every score twice (row statistics, then block sums); no scratch. Used only
   where not even one row step of the one-pass kernel fits in the bound.
 """
@@ -14,29 +15,39 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.one_pass import one_pass_block_sums, rows_per_call
+from xattn_jax.pallas.one_pass import one_pass_block_sums, row_scratch_bytes, rows_per_call
 from xattn_jax.pallas.tiling import Tiling, default_tiling
 from xattn_jax.pallas.two_pass import two_pass_block_sums
 
-ONE_PASS_MAX_SCRATCH_BYTES = 48 << 20  # keeps the 128K causal call within 64 MiB of workspace
+ONE_PASS_WHOLE_CALL_BYTES = 3 << 29  # 1.5 GiB: a call whose whole scratch fits takes one step
+ONE_PASS_STEP_BYTES = 48 << 20  # else row steps: keeps the 128K causal call within 64 MiB
 SCRATCH_PER_RESULT = 16  # very long calls may use 1/16 of their result's size instead
 
 
-def scratch_bound(geom: Geometry) -> int:
-    """The one-pass kernel's default scratch bound for a call: 48 MiB, or 1/16 of the
-    float32 block sums it returns where that is more (at 1M tokens x 32 heads the result
-    is 8 GiB and one row step needs 151 MiB)."""
+def scratch_bound(geom: Geometry, tiling: Tiling) -> int:
+    """The one-pass kernel's default scratch bound for a call.
+
+    A call whose whole scratch is at most 1.5 GiB runs in one kernel call: at 64K tokens
+    and 32 heads that is 0.06-1.06 GiB for blocks of 4096 down to 64, and there row steps
+    of 48 MiB measured 6-17% slower (tuning.md, note 19). Larger calls step within
+    48 MiB, or within 1/16 of the float32 block sums they return where that is more (at
+    1M tokens x 32 heads the result is 8 GiB and one row step needs 151 MiB).
+    """
+    whole = row_scratch_bytes(geom, tiling) * pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
+    if whole <= ONE_PASS_WHOLE_CALL_BYTES:
+        return whole
     result = (geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
               * jnp.dtype(jnp.float32).itemsize)
-    return max(ONE_PASS_MAX_SCRATCH_BYTES, result // SCRATCH_PER_RESULT)
+    return max(ONE_PASS_STEP_BYTES, result // SCRATCH_PER_RESULT)
 
 
 def passes_for(geom: Geometry, tiling: Tiling, max_scratch_bytes: int | None = None) -> int:
     """1 or 2: the kernel `block_sums` picks by default for this call (the one-pass kernel
-    if one row step of it fits in `max_scratch_bytes`, default `scratch_bound(geom)`)."""
-    bound = max_scratch_bytes or scratch_bound(geom)
+    if one row step of it fits in `max_scratch_bytes`, default `scratch_bound`)."""
+    bound = max_scratch_bytes or scratch_bound(geom, tiling)
     return 1 if rows_per_call(geom, tiling, bound) else 2
 
 
@@ -59,10 +70,10 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
     pages may hold anything.
     `tiling` defaults to the measured `default_tiling`; `passes` (1 or 2) to the
     one-pass kernel if one row step of it fits in `max_scratch_bytes` of scratch
-    (default `scratch_bound(geom)`).
+    (default `scratch_bound`).
     """
     tiling = tiling or default_tiling(geom, q.dtype, causal)
-    max_scratch_bytes = max_scratch_bytes or scratch_bound(geom)
+    max_scratch_bytes = max_scratch_bytes or scratch_bound(geom, tiling)
     passes = passes or passes_for(geom, tiling, max_scratch_bytes)
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 or 2, got {passes}")
