@@ -5,6 +5,7 @@ NaN/inf policy; and GPU-only determinism and uninitialized-memory checks."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,45 @@ def test_per_head_threshold_equals_scalar_calls(impl, rand):
         previous = m_h
     assert previous.sum() > np.asarray(case.run(q, k, 0.3, impl.api)[1]).sum(), str(rand)
 
+
+def test_max_scratch_bytes_changes_how_rows_are_walked_not_the_result(impl, rand):
+    """A bound of one row step (several kernel calls) and one below it (the two-pass
+    kernel) give the default's block sums and mask, with less workspace; the reference
+    ignores the bound."""
+    from xattn_jax.geometry import check_qk
+    from xattn_jax.pallas.block_sums import passes_for
+    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.tiling import default_tiling
+
+    case = ApiCase("causal_steps_f32", 1, 2, 1, 520, 520, 16, 8, 32, True)
+    q, k = case.inputs(rand)
+    geom = check_qk(q, k, stride=case.stride, block_size=case.block_size, causal=True)
+    tiling = default_tiling(geom, q.dtype, causal=True)
+    one_step = row_scratch_bytes(geom, tiling) * math.lcm(tiling.rows, geom.block_rows)
+    assert rows_per_call(geom, tiling, one_step) < geom.q_rows, "not several steps"
+    assert passes_for(geom, tiling, one_step - 1) == 2
+    t = rand.thresholds(case.q_heads, 0.5, 0.95)
+
+    def estimate(bound):
+        return lambda q, k: xattn_jax.xattn_estimate(
+            q, k, block_size=case.block_size, stride=case.stride, threshold=t, causal=True,
+            impl=impl.api, max_scratch_bytes=bound)
+
+    def workspace(bound):
+        return jax.jit(estimate(bound)).lower(q, k).compile().memory_analysis().temp_size_in_bytes
+
+    sums, mask = map(np.asarray, estimate(None)(q, k))
+    for bound in (one_step, one_step - 1):
+        b_sums, b_mask = map(np.asarray, estimate(bound)(q, k))
+        msg = f"{impl} max_scratch_bytes={bound} {rand}"
+        assert npr.rel_err(b_sums, sums) <= case.rtol, msg
+        npr.assert_masks_agree(b_mask, mask, sums, t, msg=msg, near_ties=True,
+                               rtol=_ambiguity_rtol(b_sums, sums), **case.rules)
+    spaces = [workspace(bound) for bound in (None, one_step, one_step - 1)]
+    if impl.pallas:
+        assert spaces[0] > spaces[1] > spaces[2], f"the bound did not reach the kernel: {spaces}"
+    else:
+        assert spaces[0] == spaces[1] == spaces[2], spaces
 
 def test_compiles_once_per_shape(impl, rand):
     """New data and new threshold values reuse the compiled estimate; a new shape adds

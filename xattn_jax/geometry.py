@@ -127,6 +127,15 @@ def check_norm(norm) -> float:
     return float(norm)
 
 
+def check_scratch_bytes(max_scratch_bytes) -> int | None:
+    if max_scratch_bytes is not None and (
+            isinstance(max_scratch_bytes, bool)
+            or not isinstance(max_scratch_bytes, (int, np.integer)) or max_scratch_bytes <= 0):
+        raise ValueError(f"max_scratch_bytes must be None or a positive int of bytes, got "
+                         f"{max_scratch_bytes!r}")
+    return None if max_scratch_bytes is None else int(max_scratch_bytes)
+
+
 def check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

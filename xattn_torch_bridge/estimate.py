@@ -38,8 +38,8 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
     """The XAttention estimate (ESTIMATE.md sections 1-4) of torch tensors.
 
     Takes the keyword arguments of `xattn_jax.xattn_estimate` (block_size, stride,
-    threshold, causal, norm, keep_sink, keep_recent, impl) with the same defaults and
-    meaning, and returns its results as torch tensors. Differences:
+    threshold, causal, norm, keep_sink, keep_recent, impl, max_scratch_bytes) with the same
+    defaults and meaning, and returns its results as torch tensors. Differences:
 
     Args:
       q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, float32, bfloat16 or float16 torch
