@@ -216,7 +216,7 @@ def test_default_scratch_bound(length, block_size, causal, one_step):
     import jax
 
     from xattn_jax.pallas import block_sums as bs
-    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.one_pass import padded_rows, row_scratch_bytes, rows_per_call
     from xattn_jax.pallas.tiling import default_tiling
 
     shape = jax.ShapeDtypeStruct((1, 32, length, 128), jnp.bfloat16)
@@ -224,7 +224,7 @@ def test_default_scratch_bound(length, block_size, causal, one_step):
     tiling = default_tiling(geom, jnp.bfloat16, causal)
     call_rows = rows_per_call(geom, tiling, bs.scratch_bound(geom, tiling))
     scratch = row_scratch_bytes(geom, tiling) * call_rows
-    whole = row_scratch_bytes(geom, tiling) * -(-geom.q_rows // tiling.rows) * tiling.rows
+    whole = row_scratch_bytes(geom, tiling) * padded_rows(geom, tiling)
     assert (whole <= bs.ONE_PASS_WHOLE_CALL_BYTES) == one_step, whole / 2**30
     if one_step:
         assert call_rows >= geom.q_rows and scratch == whole

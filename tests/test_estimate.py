@@ -172,6 +172,7 @@ def test_max_scratch_bytes_changes_how_rows_are_walked_not_the_result(impl, rand
     else:
         assert spaces[0] == spaces[1] == spaces[2], spaces
 
+
 def test_compiles_once_per_shape(impl, rand):
     """New data and new threshold values reuse the compiled estimate; a new shape adds
     exactly one compilation."""

@@ -111,12 +111,12 @@ def test_bad_norm(impl, norm):
         _estimate(impl, q, k, norm=norm)
 
 
-
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "1024"])
 def test_bad_max_scratch_bytes(impl, value):
     q, k = _qk()
     with pytest.raises(ValueError, match="max_scratch_bytes"):
         _estimate(impl, q, k, max_scratch_bytes=value)
+
 
 def test_bad_impl():
     q, k = _qk()

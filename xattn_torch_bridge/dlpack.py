@@ -53,9 +53,10 @@ The stream-order step that `Tensor.__dlpack__(stream=...)` performs with a new e
 stream object per call is done here with one reused event per thread, through the event's
 C++ methods; the stream handed to JAX's export is the one `torch.from_dlpack` passes, read
 with `torch._C._cuda_getCurrentRawStream` (the call Triton and inductor use). These
-jaxlib and torch functions are private; the jaxlib ones have these signatures from
-jax 0.10.2 to 0.11, the torch ones from torch 2.11 to 2.13. Devices are looked up once per
-torch device (to_jax) and once per JAX sharding (to_torch).
+jaxlib and torch functions are private: the jaxlib ones have these signatures from
+jax 0.10.2 to 0.11; `torch._C._from_dlpack` is in torch 2.11 and 2.13, and the event's
+C++ methods were run with torch 2.11 (the CUDA build on the H200). Devices are looked up
+once per torch device (to_jax) and once per JAX sharding (to_torch).
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.one_pass import one_pass_block_sums, row_scratch_bytes, rows_per_call
+from xattn_jax.pallas.one_pass import (one_pass_block_sums, padded_rows, row_scratch_bytes,
+                                       rows_per_call)
 from xattn_jax.pallas.tiling import Tiling, default_tiling
 from xattn_jax.pallas.two_pass import two_pass_block_sums
 
@@ -36,7 +36,7 @@ def scratch_bound(geom: Geometry, tiling: Tiling) -> int:
     48 MiB, or within 1/16 of the float32 block sums they return where that is more (at
     1M tokens x 32 heads the result is 8 GiB and one row step needs 151 MiB).
     """
-    whole = row_scratch_bytes(geom, tiling) * pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
+    whole = row_scratch_bytes(geom, tiling) * padded_rows(geom, tiling)
     if whole <= ONE_PASS_WHOLE_CALL_BYTES:
         return whole
     result = (geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks

@@ -65,6 +65,11 @@ def row_scratch_bytes(geom: Geometry, tiling: Tiling) -> int:
             * jnp.dtype(jnp.float32).itemsize)
 
 
+def padded_rows(geom: Geometry, tiling: Tiling) -> int:
+    """The reshaped query rows a call covering all of them holds: whole row tiles."""
+    return pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
+
+
 def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int | None:
     """Reshaped query rows one kernel call covers so that its scratch stays within
     `max_scratch_bytes`: all of them (padded to whole tiles) if they fit, else a multiple
@@ -72,7 +77,7 @@ def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int
     the scratch), the smallest that needs no more calls than the largest that fits (the
     last call overlaps the one before it: every row it repeats is work done twice).
     None if not even one such step fits."""
-    all_rows = pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
+    all_rows = padded_rows(geom, tiling)
     fit = max_scratch_bytes // row_scratch_bytes(geom, tiling)
     if fit >= all_rows:
         return all_rows
