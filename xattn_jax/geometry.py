@@ -161,14 +161,12 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
         return t
     if isinstance(threshold, float):  # the common case, without numpy's ~15 us per call
         value = np.float32(threshold)
-        if not 0 < value <= 1:
-            raise ValueError(f"threshold must lie in (0, 1], got {threshold}")
+        _check_threshold_range(0 < value <= 1, threshold)
         return _device_threshold((float(value),) * q_heads)
     t = np.asarray(threshold, np.float32)
     if t.ndim:
         _check_threshold_shape(t.shape, q_heads)
-    if not np.all((t > 0) & (t <= 1)):
-        raise ValueError(f"threshold must lie in (0, 1], got {t}")
+    _check_threshold_range(np.all((t > 0) & (t <= 1)), t)
     return _device_threshold(tuple(np.broadcast_to(t, (q_heads,)).tolist()))
 
 
@@ -177,6 +175,11 @@ def _check_threshold_shape(shape, q_heads: int) -> None:
         raise ValueError(
             f"threshold must be a float or have one value per query head, shape ({q_heads},); "
             f"got shape {shape}")
+
+
+def _check_threshold_range(inside, shown) -> None:
+    if not inside:
+        raise ValueError(f"threshold must lie in (0, 1], got {shown}")
 
 
 @functools.lru_cache(maxsize=64)
