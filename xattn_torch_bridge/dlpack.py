@@ -211,6 +211,17 @@ def view_in_jax(tensor: torch.Tensor, place: Place, ordered: bool = True) -> jax
         place.jax_stream if ordered else None, False, place.dl_type)
 
 
+def views_for_one_computation(place: Place, *tensors: torch.Tensor) -> tuple[jax.Array, ...]:
+    """JAX arrays over `tensors` (checked by `place_of`, all on `place`) for one JAX
+    computation that reads them all: one stream-order step, the first view ordered and
+    the others not. The computation waits for the first view's definition event, recorded
+    after torch's work on every tensor, before it starts."""
+    jax_waits_for_torch(place)
+    first, *others = tensors
+    return (view_in_jax(first, place),
+            *(view_in_jax(tensor, place, ordered=False) for tensor in others))
+
+
 def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:
     """The JAX array over `tensor`'s memory (a copy's memory if `copy=True`).
 

@@ -1,8 +1,8 @@
 """`xattn_jax.xattn_estimate` for torch tensors, over the zero-copy hand-off of `dlpack`.
 
-q and k go to JAX without a copy, with one stream-order step for both (q's view carries
-it, and the estimate reads both in one computation); the estimate runs
-where they live through `xattn_jax.xattn_estimate`, whose jitted function is compiled once
+q and k go to JAX without a copy, with one stream-order step for both
+(`dlpack.views_for_one_computation`: q's view carries it, and the estimate reads both in
+one computation); the estimate runs where they live through `xattn_jax.xattn_estimate`, whose jitted function is compiled once
 per shape, dtype, device and static argument and reused after that; its two results come
 back as torch tensors without a copy, ordered before later work on torch's current stream.
 """
@@ -13,7 +13,7 @@ import jax
 import torch
 import xattn_jax
 
-from xattn_torch_bridge.dlpack import jax_waits_for_torch, place_of, to_torch, view_in_jax
+from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
 
 
 def _detached(x):
@@ -64,9 +64,5 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
         kwargs["threshold"] = kwargs["threshold"].tolist()
     if place.index is None:
         kwargs["impl"] = _impl_for_cpu(kwargs.get("impl", "auto"))
-    jax_waits_for_torch(place)
-    # One ordered view orders the whole computation: it waits for q's definition event,
-    # recorded after torch's work on k as well.
-    sums, mask = xattn_jax.xattn_estimate(view_in_jax(q, place),
-                                          view_in_jax(k, place, ordered=False), **kwargs)
+    sums, mask = xattn_jax.xattn_estimate(*views_for_one_computation(place, q, k), **kwargs)
     return to_torch(sums), to_torch(mask)

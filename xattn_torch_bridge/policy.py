@@ -28,7 +28,7 @@ import torch
 import xattn_jax
 from xattn_jax.kv_blocks import RULES
 
-from xattn_torch_bridge.dlpack import jax_waits_for_torch, place_of, view_in_jax
+from xattn_torch_bridge.dlpack import place_of, views_for_one_computation
 from xattn_torch_bridge.estimate import _impl_for_cpu
 from xattn_torch_bridge.kv_cache import PagedKVCache
 
@@ -100,11 +100,9 @@ class XAttentionPolicy:
         keys, _ = place_of(cache.keys, "cache.keys", False)
         table, _ = place_of(table, "block table", False)
         impl = self.impl if place.index is not None else _impl_for_cpu(self.impl)
-        jax_waits_for_torch(place)
-        # q's ordered view orders the one computation that reads all three.
+        q_view, keys_view, table_view = views_for_one_computation(place, q, keys, table)
         scores = xattn_jax.kv_block_scores(
-            view_in_jax(q, place), view_in_jax(keys, place, ordered=False),
-            block_table=view_in_jax(table, place, ordered=False), k_len=k_len,
+            q_view, keys_view, block_table=table_view, k_len=k_len,
             kv_block_size=cache.block_size, estimate_block_size=self.estimate_block_size,
             stride=self.stride, norm=self.norm, per_query_block=self.rule == "vote",
             impl=impl)
