@@ -160,22 +160,33 @@ def test_tiling_refuses_a_depth_that_is_not_a_power_of_two_of_16_or_more(depth):
         Tiling(16, 16, depth=depth)
 
 
-SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # 3, 3 and 4 row steps
+SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # GQA 4:2, MHA 2, GQA 4:1
+STEPS = {  # kind: (the bound in whole rows of one head, the call shape it gives)
+    "heads": (lambda rows, step: rows, lambda rows, step: (1, rows)),
+    "heads and rows": (lambda rows, step: step, lambda rows, step: (1, step)),
+    "head pairs": (lambda rows, step: 2 * rows, lambda rows, step: (2, rows)),
+}
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
-def test_one_pass_in_several_calls(pallas_impl, case, rand):
-    """With a scratch bound of one row step, the one-pass kernel covers the query rows in
-    several calls, one after another: the same block sums as one call."""
+SPLITS = [(case, steps) for case in SPLIT_CASES for steps in STEPS
+          if steps != "head pairs" or case.q_heads > 2]  # 2 heads: one call
+
+
+@pytest.mark.parametrize("case, steps", SPLITS, ids=[f"{c.id}-{s}" for c, s in SPLITS])
+def test_one_pass_in_several_calls(pallas_impl, case, steps, rand):
+    """With a scratch bound below the whole call's, the one-pass kernel covers the heads,
+    and if need be each head's rows, in several calls one after another (GQA's key heads
+    picked for each call's heads): the same block sums as one call."""
     from xattn_jax.pallas.block_sums import block_sums
-    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes, padded_rows
     from xattn_jax.pallas.tiling import Tiling
 
     geom, tiling = case.geom(), Tiling(case.tile, case.tile)
-    step = math.lcm(case.tile, geom.block_rows)
-    bound = row_scratch_bytes(geom, tiling) * step
-    assert rows_per_call(geom, tiling, bound) == step < geom.q_rows, "not several calls"
-    assert rows_per_call(geom, tiling, bound - 1) is None
+    rows, step = padded_rows(geom, tiling), math.lcm(case.tile, geom.block_rows)
+    bound_rows, shape = (f(rows, step) for f in STEPS[steps])
+    bound = head_row_scratch_bytes(geom, tiling) * bound_rows
+    assert tuple(call_shape(geom, tiling, bound)) == shape, steps
+    assert shape != (geom.q_heads, rows), "not several calls"
     q, k = case.inputs(rand)
     run = functools.partial(block_sums, q, k, geom=geom, causal=case.causal, norm=case.norm,
                             tiling=tiling, passes=1, interpret=pallas_impl.interpret)
@@ -183,8 +194,10 @@ def test_one_pass_in_several_calls(pallas_impl, case, rand):
     assert split.shape == whole.shape
     assert npr.rel_err(split, case.expected(q, k)) <= F32_RTOL, f"{case.id} {rand}"
     assert npr.rel_err(split, whole) <= 2e-6 * GPU_SLACK, f"{case.id} {rand}"
-    with pytest.raises(ValueError, match="max_scratch_bytes"):
-        run(max_scratch_bytes=bound - 1)
+    if steps == "heads and rows":
+        assert call_shape(geom, tiling, bound - 1) is None
+        with pytest.raises(ValueError, match="max_scratch_bytes"):
+            run(max_scratch_bytes=bound - 1)
 
 
 @pytest.mark.parametrize("fit_steps", [1, 2, 3, 5, 12, 13, 15])
@@ -194,16 +207,33 @@ def test_row_steps_are_as_few_and_as_small_as_possible(fit_steps):
     call holds beyond need is work done twice (a 64K-token call at block 4096 whose bound
     held 12 of 16 steps once ran 2 calls of 12, redoing 8 steps; now 2 calls of 8)."""
     from xattn_jax.geometry import Geometry
-    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes
     from xattn_jax.pallas.tiling import Tiling
 
     geom, tiling = Geometry(1, 2, 2, 8192, 8192, 64, 8, 256), Tiling(16, 64)
     step = math.lcm(tiling.rows, geom.block_rows)  # 32 rows; q_rows = 1024 = 32 steps
-    call_rows = rows_per_call(geom, tiling, row_scratch_bytes(geom, tiling) * step * fit_steps)
+    heads, call_rows = call_shape(geom, tiling,
+                                  head_row_scratch_bytes(geom, tiling) * step * fit_steps)
     calls = -(-geom.q_rows // call_rows)
-    assert call_rows % step == 0 and call_rows <= step * fit_steps
+    assert heads == 1 and call_rows % step == 0 and call_rows <= step * fit_steps
     assert calls == -(-geom.q_rows // (step * fit_steps)), "more calls than needed"
     assert (call_rows - step) * calls < geom.q_rows, f"{calls} calls of {call_rows} rows"
+
+
+@pytest.mark.parametrize("fit_heads, heads", [(1, 1), (2, 2), (10, 8), (11, 11), (31, 16),
+                                              (32, 32), (40, 32)])
+def test_head_steps_cover_whole_heads_evenly(fit_heads, heads):
+    """Where every row of some heads fits, a call covers every row of as many heads as the
+    fewest calls need (32 heads, 10 fitting: 4 calls of 8, not 3 of 10 and one that
+    repeats 8 heads)."""
+    from xattn_jax.geometry import Geometry
+    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes, padded_rows
+    from xattn_jax.pallas.tiling import Tiling
+
+    geom, tiling = Geometry(1, 32, 8, 4096, 4096, 64, 8, 256), Tiling(16, 64)
+    rows = padded_rows(geom, tiling)
+    bound = head_row_scratch_bytes(geom, tiling) * rows * fit_heads
+    assert tuple(call_shape(geom, tiling, bound)) == (heads, rows)
 
 
 @pytest.mark.parametrize("length, block_size, causal, one_step", [
@@ -216,20 +246,20 @@ def test_default_scratch_bound(length, block_size, causal, one_step):
     import jax
 
     from xattn_jax.pallas import block_sums as bs
-    from xattn_jax.pallas.one_pass import padded_rows, row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.one_pass import CallShape, call_shape, padded_rows, scratch_bytes
     from xattn_jax.pallas.tiling import default_tiling
 
     shape = jax.ShapeDtypeStruct((1, 32, length, 128), jnp.bfloat16)
     geom = check_qk(shape, shape, stride=8, block_size=block_size, causal=causal)
     tiling = default_tiling(geom, jnp.bfloat16, causal)
-    call_rows = rows_per_call(geom, tiling, bs.scratch_bound(geom, tiling))
-    scratch = row_scratch_bytes(geom, tiling) * call_rows
-    whole = row_scratch_bytes(geom, tiling) * padded_rows(geom, tiling)
+    call = call_shape(geom, tiling, bs.scratch_bound(geom, tiling))
+    whole = scratch_bytes(geom, tiling, CallShape(geom.q_heads, padded_rows(geom, tiling)))
     assert (whole <= bs.ONE_PASS_WHOLE_CALL_BYTES) == one_step, whole / 2**30
     if one_step:
-        assert call_rows >= geom.q_rows and scratch == whole
+        assert call == (geom.q_heads, padded_rows(geom, tiling))
     else:
-        assert call_rows < geom.q_rows and scratch <= bs.ONE_PASS_STEP_BYTES
+        assert scratch_bytes(geom, tiling, call) <= bs.ONE_PASS_STEP_BYTES
+        assert call.heads < geom.q_heads
 
 
 PAD_CASES = [CASES[12], CASES[1]]  # c130 (-> 136), nc37x131 s4 (-> 40 x 132)

@@ -236,7 +236,7 @@ def test_key_len_over_several_row_steps(k_len, seed):
     from xattn_jax import reference
     from xattn_jax.geometry import check_qk
     from xattn_jax.pallas.block_sums import block_sums
-    from xattn_jax.pallas.one_pass import row_scratch_bytes, rows_per_call
+    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes
     from xattn_jax.pallas.row_tile import keys_fit
     from xattn_jax.pallas.tiling import Tiling
 
@@ -244,8 +244,8 @@ def test_key_len_over_several_row_steps(k_len, seed):
     k = k.at[:, :, k_len:].set(jnp.nan)
     geom = check_qk(q, k, stride=8, block_size=64, causal=False)
     tiling = Tiling(16, 16)
-    bound = row_scratch_bytes(geom, tiling) * 16
-    assert keys_fit(geom, tiling) and rows_per_call(geom, tiling, bound) < geom.q_rows
+    bound = head_row_scratch_bytes(geom, tiling) * 16
+    assert keys_fit(geom, tiling) and call_shape(geom, tiling, bound) == (1, 16)
     want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
     got = block_sums(q, k, geom=geom, causal=False, norm=1.0, passes=1, tiling=tiling,
                      key_len=jnp.full((1,), k_len, jnp.int32), max_scratch_bytes=bound,

@@ -113,10 +113,11 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       impl: "auto", "pallas" or "reference" (see the module docstring).
       max_scratch_bytes: bound on the Pallas kernel's scratch, in bytes. None: the whole
         scratch where it fits in 1.5 GiB (0.6 GiB at 64K tokens, 32 heads, block 128),
-        else row steps within 48 MiB (`pallas.block_sums.scratch_bound`). A lower bound
-        walks the query rows in more steps (measured 6-17% slower at 64K); one below a
-        single row step runs the two-pass kernel (no scratch, each score computed twice).
-        The reference ignores it.
+        else steps within 48 MiB (`pallas.block_sums.scratch_bound`): kernel calls over
+        as many whole heads as fit, or over one head's rows in steps. A lower bound takes
+        more steps (measured up to 17% slower at 64K); one below a single row step of one
+        head runs the two-pass kernel (no scratch, each score computed twice). The
+        reference ignores it.
 
     Returns:
       `(block_sums, mask)`: float32 and bool, both `[B, Hq, ceil(Lq/block_size),

@@ -3,10 +3,10 @@ never storing the score matrix. Two kernels do it:
 
 - `one_pass`: every score once; stores two small row statistics per row and key tile
   and combines them exactly afterwards. Its scratch is bounded (`scratch_bound`): a call
-  whose whole scratch is large covers the query rows in several kernel calls, one after
-  another;
+  whose whole scratch is large covers the heads, and if need be each head's rows, in
+  several kernel calls, one after another (`one_pass.call_shape`);
 - `two_pass`: every score twice (row statistics, then block sums); no scratch. Used only
-  where not even one row step of the one-pass kernel fits in the bound.
+  where not even one row step of one head of the one-pass kernel fits in the bound.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.one_pass import (one_pass_block_sums, padded_rows, row_scratch_bytes,
-                                       rows_per_call)
+from xattn_jax.pallas.one_pass import (CallShape, call_shape, one_pass_block_sums,
+                                       padded_rows, scratch_bytes)
 from xattn_jax.pallas.tiling import Tiling, default_tiling
 from xattn_jax.pallas.two_pass import two_pass_block_sums
 
 ONE_PASS_WHOLE_CALL_BYTES = 3 << 29  # 1.5 GiB: a call whose whole scratch fits takes one step
-ONE_PASS_STEP_BYTES = 48 << 20  # else row steps: keeps the 128K causal call within 64 MiB
+ONE_PASS_STEP_BYTES = 48 << 20  # else steps: keeps the 128K causal call within 64 MiB
 SCRATCH_PER_RESULT = 16  # very long calls may use 1/16 of their result's size instead
 
 
@@ -34,9 +34,10 @@ def scratch_bound(geom: Geometry, tiling: Tiling) -> int:
     and 32 heads that is 0.06-1.06 GiB for blocks of 4096 down to 64, and there row steps
     of 48 MiB measured 6-17% slower (tuning.md, note 19). Larger calls step within
     48 MiB, or within 1/16 of the float32 block sums they return where that is more (at
-    1M tokens x 32 heads the result is 8 GiB and one row step needs 151 MiB).
+    1M tokens x 32 heads the result is 8 GiB, and 512 MiB hold 13K rows of one head per
+    call where 48 MiB would hold 1.3K).
     """
-    whole = row_scratch_bytes(geom, tiling) * padded_rows(geom, tiling)
+    whole = scratch_bytes(geom, tiling, CallShape(geom.q_heads, padded_rows(geom, tiling)))
     if whole <= ONE_PASS_WHOLE_CALL_BYTES:
         return whole
     result = (geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
@@ -46,9 +47,9 @@ def scratch_bound(geom: Geometry, tiling: Tiling) -> int:
 
 def passes_for(geom: Geometry, tiling: Tiling, max_scratch_bytes: int | None = None) -> int:
     """1 or 2: the kernel `block_sums` picks by default for this call (the one-pass kernel
-    if one row step of it fits in `max_scratch_bytes`, default `scratch_bound`)."""
+    if one row step of one head fits in `max_scratch_bytes`, default `scratch_bound`)."""
     bound = max_scratch_bytes or scratch_bound(geom, tiling)
-    return 1 if rows_per_call(geom, tiling, bound) else 2
+    return 1 if call_shape(geom, tiling, bound) else 2
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "tiling", "passes",
@@ -69,7 +70,7 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
     each sequence's pages through the table, no gathered copy; entries past key_len's
     pages may hold anything.
     `tiling` defaults to the measured `default_tiling`; `passes` (1 or 2) to the
-    one-pass kernel if one row step of it fits in `max_scratch_bytes` of scratch
+    one-pass kernel if one row step of one head fits in `max_scratch_bytes` of scratch
     (default `scratch_bound`).
     """
     tiling = tiling or default_tiling(geom, q.dtype, causal)
@@ -81,8 +82,9 @@ def block_sums(q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool, norm
                 block_table=block_table, tiling=tiling, interpret=interpret)
     if passes == 2:
         return two_pass_block_sums(q, k, **args)
-    call_rows = rows_per_call(geom, tiling, max_scratch_bytes)
-    if call_rows is None:
+    call = call_shape(geom, tiling, max_scratch_bytes)
+    if call is None:
         raise ValueError(f"passes=1 needs more than max_scratch_bytes={max_scratch_bytes} "
-                         f"bytes of scratch for one row step of {geom}: use passes=2")
-    return one_pass_block_sums(q, k, call_rows=call_rows, **args)
+                         f"bytes of scratch for one row step of one head of {geom}: use "
+                         f"passes=2")
+    return one_pass_block_sums(q, k, call=call, **args)

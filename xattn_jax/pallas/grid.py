@@ -16,8 +16,10 @@ from xattn_jax.geometry import Geometry
 COL_AXIS, ROW_AXIS, BATCH_AXIS, HEAD_AXIS = range(4)
 
 
-def kernel_grid(geom: Geometry, row_tiles: int, col_groups: int = 1) -> tuple[int, ...]:
-    return (col_groups, row_tiles, geom.batch, geom.q_heads)
+def kernel_grid(geom: Geometry, row_tiles: int, col_groups: int = 1,
+                heads: int | None = None) -> tuple[int, ...]:
+    """The grid of a call covering `heads` query heads (default all)."""
+    return (col_groups, row_tiles, geom.batch, heads or geom.q_heads)
 
 
 def head_spec(shape: tuple[int, ...]) -> pl.BlockSpec:

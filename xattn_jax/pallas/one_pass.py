@@ -15,9 +15,9 @@ units). Every key tile is independent, so programs can split a row's keys among 
 epilogue (plain JAX, fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) s,
 and p[t, r, u] = x * 2^(m - M) / L: exactly the softmax mass of each row in each unit,
 then sums rows and units into blocks. Each score is computed once, at the price of a
-scratch of 1 + cols / unit floats (one more with several units) per row and key tile
-(`row_scratch_bytes`); calls whose scratch would exceed a bound walk the query rows in
-steps (`rows_per_call`).
+scratch of 1 + cols / unit floats (one more with several units) per row, head and key
+tile (`head_row_scratch_bytes`); calls whose scratch would exceed a bound walk the heads,
+and if need be the rows of each head, in steps (`call_shape`).
 Where keys are read unmasked and their count is data, the column of a partly filled last
 stride group is scored outside the kernel and merged into these statistics
 (`_split_last_group`).
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +58,12 @@ def _units(geom: Geometry, tiling: Tiling) -> int:
     return tiling.cols // _unit(geom, tiling)
 
 
-def row_scratch_bytes(geom: Geometry, tiling: Tiling) -> int:
-    """Scratch bytes per reshaped query row (m, x and s for every key tile and head)."""
+def head_row_scratch_bytes(geom: Geometry, tiling: Tiling) -> int:
+    """Scratch bytes per reshaped query row and query head (m, x and s for every key tile,
+    for every batch element)."""
     units = _units(geom, tiling)
     per_tile = 1 + units + (units > 1)
-    return (geom.batch * geom.q_heads * _stored_key_tiles(geom, tiling) * per_tile
+    return (geom.batch * _stored_key_tiles(geom, tiling) * per_tile
             * jnp.dtype(jnp.float32).itemsize)
 
 
@@ -70,29 +72,51 @@ def padded_rows(geom: Geometry, tiling: Tiling) -> int:
     return pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
 
 
-def rows_per_call(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> int | None:
-    """Reshaped query rows one kernel call covers so that its scratch stays within
-    `max_scratch_bytes`: all of them (padded to whole tiles) if they fit, else a multiple
-    of both the tile's rows and block_rows (calls then run one after another and reuse
-    the scratch), the smallest that needs no more calls than the largest that fits (the
-    last call overlaps the one before it: every row it repeats is work done twice).
-    None if not even one such step fits."""
-    all_rows = padded_rows(geom, tiling)
-    fit = max_scratch_bytes // row_scratch_bytes(geom, tiling)
-    if fit >= all_rows:
-        return all_rows
-    step = math.lcm(tiling.rows, geom.block_rows)
-    if fit < step:
+class CallShape(NamedTuple):
+    """The query heads and reshaped query rows one kernel call covers."""
+
+    heads: int
+    rows: int
+
+
+def scratch_bytes(geom: Geometry, tiling: Tiling, call: CallShape) -> int:
+    return head_row_scratch_bytes(geom, tiling) * call.heads * call.rows
+
+
+def _even_steps(total: int, fit: int, quantum: int) -> int | None:
+    """Steps covering `total`: a multiple of `quantum`, the smallest that needs no more
+    steps than the largest within `fit` (the last step overlaps the one before it:
+    whatever it repeats is work done twice). None if not even one quantum fits."""
+    if fit < quantum:
         return None
-    calls = pl.cdiv(geom.q_rows, fit // step * step)
-    return pl.cdiv(pl.cdiv(geom.q_rows, calls), step) * step
+    steps = pl.cdiv(total, fit // quantum * quantum)
+    return pl.cdiv(pl.cdiv(total, steps), quantum) * quantum
+
+
+def call_shape(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> CallShape | None:
+    """The heads and rows one kernel call covers so that its scratch stays within
+    `max_scratch_bytes`; calls then run one after another and reuse the scratch.
+
+    Every row of as many heads as fit (all heads if they do: one call); else one head,
+    its rows in steps that are multiples of both the tile's rows and block_rows. A call's
+    programs then share one head's keys, which stay in L2; steps over all heads with a
+    few rows each read every head's keys again in every step, and measured 2-9% slower
+    (tuning.md, note 24). None if not even one row step of one head fits.
+    """
+    all_rows = padded_rows(geom, tiling)
+    head_rows = max_scratch_bytes // head_row_scratch_bytes(geom, tiling)  # that fit
+    if head_rows >= all_rows:
+        return CallShape(_even_steps(geom.q_heads, head_rows // all_rows, 1), all_rows)
+    rows = _even_steps(geom.q_rows, head_rows, math.lcm(tiling.rows, geom.block_rows))
+    return None if rows is None else CallShape(1, rows)
 
 
 def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
-                       tiling: Tiling, paged: bool, row_extent: int):
+                       tiling: Tiling, paged: bool, row_extent: int, head_offset: bool):
     table_ref, scalars_ref, (max_ref, sum_ref, *total_ref) = row_tile_refs(refs, paged)
     tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
-                   norm=norm, tiling=tiling, row_extent=row_extent, whole_groups=True)
+                   norm=norm, tiling=tiling, row_extent=row_extent, whole_groups=True,
+                   head_offset=head_offset)
     rows, span = tiling.rows, tiling.key_span(geom)
     unit = _unit(geom, tiling)
     per_tile = _units(geom, tiling)
@@ -228,28 +252,30 @@ def _add_column(maxes, sums, totals, scores, column, cols: int, unit: int, prese
 
 
 def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
-                        block_table, tiling: Tiling, call_rows: int,
+                        block_table, tiling: Tiling, call: CallShape,
                         interpret: bool) -> jax.Array:
-    """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`), `call_rows`
-    reshaped query rows per kernel call (`rows_per_call`)."""
-    grid = kernel_grid(geom, call_rows // tiling.rows, _key_groups(geom, tiling))
+    """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`), `call.heads`
+    query heads and `call.rows` reshaped query rows per kernel call (`call_shape`)."""
+    heads, call_rows = call
+    grid = kernel_grid(geom, call_rows // tiling.rows, _key_groups(geom, tiling), heads)
     key_tiles = _stored_key_tiles(geom, tiling)
     unit = _unit(geom, tiling)
     per_tile = _units(geom, tiling)
-    one_call = call_rows >= geom.q_rows
-    # The last of several calls ends at the last query block.
-    row_extent = call_rows if one_call else geom.q_blocks * geom.block_rows
+    all_rows = call_rows >= geom.q_rows
+    # The last of several row steps ends at the last query block.
+    row_extent = call_rows if all_rows else geom.q_blocks * geom.block_rows
     kernel = functools.partial(_tile_stats_kernel, geom=geom, causal=causal, norm=norm,
                                tiling=tiling, paged=block_table is not None,
-                               row_extent=row_extent)
-    stats_shape = (geom.batch, geom.q_heads, key_tiles, call_rows)
+                               row_extent=row_extent, head_offset=heads < geom.q_heads)
+    stats_shape = (geom.batch, heads, key_tiles, call_rows)
 
     kernel_keys, last_group = key_len, None
     if key_len is not None and keys_fit(geom, tiling):
         kernel_keys, *last_group = _split_last_group(q, k, key_len, block_table, geom, norm)
 
-    def block_rows_from(first_row, q_blocks):
-        in_specs, operands = key_operands(q, k, kernel_keys, block_table, geom, first_row)
+    def block_sums_of(first_head, first_row, q_blocks):
+        in_specs, operands = key_operands(q, k, kernel_keys, block_table, geom, first_row,
+                                          first_head)
         shapes = [stats_shape, stats_shape + (per_tile,)] + [stats_shape] * (per_tile > 1)
         maxes, sums, *totals = pl.pallas_call(
             kernel,
@@ -264,24 +290,28 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
         totals = totals[0] if totals else sums[..., 0]
         if last_group is not None:
             column, scores, present = last_group
+            scores = jax.lax.dynamic_slice_in_dim(scores, first_head, heads, axis=1)
             scores = jax.lax.dynamic_slice_in_dim(_fit(scores, 2, row_extent), first_row,
                                                   call_rows, axis=2)
             maxes, sums, totals = _add_column(maxes, sums, totals, scores, column,
                                               tiling.cols, unit, present)
         return _combine(maxes, sums, totals, geom, unit, first_row, q_blocks)
 
-    if one_call:
-        return block_rows_from(0, geom.q_blocks)
-    # Several calls, each writing its query blocks into the result in place; the last
-    # one starts early enough to end at the last block (recomputing a few blocks the
-    # one before wrote, identically), so nothing is padded or copied.
-    per_call = call_rows // geom.block_rows
-    last_start = geom.q_blocks - per_call
+    if heads == geom.q_heads and all_rows:
+        return block_sums_of(0, 0, geom.q_blocks)
+    # Several calls, each writing its heads' query blocks into the result in place; the
+    # last head group and the last row step of each start early enough to end at the
+    # last head and block (recomputing a few the one before wrote, identically), so
+    # nothing is padded or copied.
+    per_call = geom.q_blocks if all_rows else call_rows // geom.block_rows
+    row_steps = pl.cdiv(geom.q_blocks, per_call)
 
     def one_call(i, out):
-        start = jnp.minimum(i * per_call, last_start)
-        part = block_rows_from(start * geom.block_rows, per_call)
-        return jax.lax.dynamic_update_slice_in_dim(out, part, start, axis=2)
+        # lax.div/rem: i >= 0
+        head = jnp.minimum(jax.lax.div(i, row_steps) * heads, geom.q_heads - heads)
+        start = jnp.minimum(jax.lax.rem(i, row_steps) * per_call, geom.q_blocks - per_call)
+        part = block_sums_of(head, start * geom.block_rows, per_call)
+        return jax.lax.dynamic_update_slice(out, part, (0, head, start, 0))
 
     out = jnp.zeros((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks), jnp.float32)
-    return jax.lax.fori_loop(0, pl.cdiv(geom.q_blocks, per_call), one_call, out)
+    return jax.lax.fori_loop(0, pl.cdiv(geom.q_heads, heads) * row_steps, one_call, out)

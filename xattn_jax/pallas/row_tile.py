@@ -3,7 +3,8 @@ from, which key tiles it sees, and its masked score tiles (ESTIMATE.md section 1
 causal and padding masks of section 2).
 
 A program owns `tiling.rows` reshaped query rows of one (batch, query head), on the grid
-of `grid.py`.
+of `grid.py`. The kernels take q and k whole and index the program's heads themselves,
+so that a call can cover some of the heads (`one_pass.call_shape`) without a copy.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.grid import HEAD_AXIS, ROW_AXIS, batch_spec, whole_spec
+from xattn_jax.pallas.grid import BATCH_AXIS, HEAD_AXIS, ROW_AXIS, batch_spec, whole_spec
 from xattn_jax.pallas.strided_scores import (head_parts, load_paged_tokens, load_tokens,
-                                             qk_specs, score_tile, step_product)
+                                             score_tile, step_product)
 from xattn_jax.pallas.tiling import Tiling
 
 LOG2_E = 1.4426950408889634
@@ -26,12 +27,13 @@ LOG2_E = 1.4426950408889634
 class RowTile:
     """Rows [row0, row0 + rows) of one (batch, query head), inside a kernel.
 
-    q_ref: `[Lq, D]`; k_ref: `[Lk, D]`, or the whole paged cache with `table_ref` (that
-    sequence's block table); scalars_ref: int32 `[2]`, the real keys (a padded cache
-    buffer holds fewer than Lk; more count as Lk) and the first row of grid row tile 0
-    (a call may cover only some of the rows). row_extent: one past the last reshaped
-    query row any of the kernel's calls reads. whole_groups: the key count is Lk or a
-    multiple of S (see `keys_fit`).
+    q_ref: the whole `[B, Hq, Lq, D]`; k_ref: the whole `[B, Hkv, Lk, D]`, or the whole
+    paged cache with `table_ref` (that sequence's block table); scalars_ref: int32 `[3]`,
+    the real keys (a padded cache buffer holds fewer than Lk; more count as Lk), the
+    first row of grid row tile 0 and the query head of grid head 0 (a call may cover
+    only some rows and heads; the head is read only with `head_offset`, else grid head
+    h is head h). row_extent: one past the last reshaped query row any of the kernel's
+    calls reads. whole_groups: the key count is Lk or a multiple of S (see `keys_fit`).
 
     Loads are unmasked wherever every token they read lies in its buffer: the query rows
     read end within Lq, and for keys `keys_fit` and `whole_groups`. Triton pipelines
@@ -40,24 +42,28 @@ class RowTile:
 
     def __init__(self, q_ref, k_ref, table_ref, scalars_ref, *, geom: Geometry,
                  causal: bool, norm: float, tiling: Tiling, row_extent: int,
-                 whole_groups: bool):
+                 whole_groups: bool, head_offset: bool = False):
         self.geom, self.causal, self.norm, self.tiling = geom, causal, norm, tiling
         self.depth = tiling.step_depth(geom)
         rows, cols, s = tiling.rows, tiling.cols, geom.stride
         self.row0 = scalars_ref[1] + pl.program_id(ROW_AXIS) * rows
         self.row_ids = self.row0 + jnp.arange(rows)
         self.row_real = self.row_ids < geom.q_rows
+        batch, head = pl.program_id(BATCH_AXIS), pl.program_id(HEAD_AXIS)
+        if head_offset:  # only then: an offset known at run time costs every load some
+            head = head + scalars_ref[2]  # address arithmetic (more instructions in SASS)
+        kv_head = jax.lax.div(head, jnp.int32(geom.group))  # GQA: no copy of k per head
         q_bound = None if row_extent * s <= geom.q_len else geom.q_len
         self.load_queries = functools.partial(load_tokens, q_ref, length=q_bound,
-                                              head_dim=geom.head_dim)
+                                              head_dim=geom.head_dim, lead=(batch, head))
         # read here, before any loop (see `load_tokens`)
         k_len = jnp.minimum(scalars_ref[0], geom.k_len)
         self.k_cols = (k_len + s - 1) // s
         if table_ref is None:
-            key_loader = functools.partial(load_tokens, k_ref, head_dim=geom.head_dim)
+            key_loader = functools.partial(load_tokens, k_ref, head_dim=geom.head_dim,
+                                           lead=(batch, kv_head))
         else:
-            key_loader = functools.partial(load_paged_tokens, k_ref, table_ref,
-                                           pl.program_id(HEAD_AXIS) // geom.group,
+            key_loader = functools.partial(load_paged_tokens, k_ref, table_ref, kv_head,
                                            head_dim=geom.head_dim)
         unmasked = whole_groups and keys_fit(geom, tiling)
         self.load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
@@ -127,20 +133,20 @@ def keys_fit(geom: Geometry, tiling: Tiling) -> bool:
     return tiling.key_tiles(geom) * tiling.cols * geom.stride <= geom.k_len
 
 
-def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0):
-    """`(in_specs, operands)` of a kernel taking RowTile's refs: q, k, [block table],
-    scalars (key_len, default all Lk; first_row, an int or a traced int32)."""
+def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0, first_head=0):
+    """`(in_specs, operands)` of a kernel taking RowTile's refs: q and k (or the paged
+    cache) whole, [block table], scalars (key_len, default all Lk; first_row and
+    first_head, ints or traced int32s)."""
     if key_len is None:
         key_len = jnp.full((1,), geom.k_len, jnp.int32)
     scalars = jnp.concatenate([key_len.astype(jnp.int32).reshape(1),
-                               jnp.asarray(first_row, jnp.int32).reshape(1)])
-    scalars_spec = whole_spec((2,))
+                               jnp.asarray(first_row, jnp.int32).reshape(1),
+                               jnp.asarray(first_head, jnp.int32).reshape(1)])
+    specs = [whole_spec(q.shape), whole_spec(k.shape)]
     if block_table is None:
-        return qk_specs(geom) + [scalars_spec], (q, k, scalars)
-    pages = whole_spec(k.shape)
+        return specs + [whole_spec((3,))], (q, k, scalars)
     table = batch_spec((block_table.shape[1],))
-    return ([qk_specs(geom)[0], pages, table, scalars_spec],
-            (q, k, block_table.astype(jnp.int32), scalars))
+    return specs + [table, whole_spec((3,))], (q, k, block_table.astype(jnp.int32), scalars)
 
 
 def row_tile_refs(refs, paged: bool):

@@ -6,8 +6,8 @@
 
 q and k are read in place in their `[B, H, L, D]` layout: a reshaped row is `S` token rows
 of the original tensor, gathered by index inside the kernel, so there is no padded,
-reshaped or head-repeated copy. GQA picks the key head in the BlockSpec index map
-(`grid.key_head_spec`).
+reshaped or head-repeated copy. GQA picks the key head by index: in the BlockSpec index
+map here (`grid.key_head_spec`), in the kernel in the fused ones (`row_tile.RowTile`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ def _row_mask(tokens: jax.Array, length, col_mask):
 
 
 def load_tokens(ref, tokens: jax.Array, length, head_dim: int, part=0,
-                depth: int | None = None) -> jax.Array:
+                depth: int | None = None, lead: tuple = ()) -> jax.Array:
     """Token rows `tokens` (int32 `[n]`) of a `[L, head_dim]` ref, head-dim part `part`
-    of `depth` columns (None: all, padded to a power of two): `[n, depth]`.
+    of `depth` columns (None: all, padded to a power of two): `[n, depth]`. For a ref
+    with axes before L (a whole `[B, H, L, D]` array), `lead` holds their indices: one
+    indexing, since Pallas' Triton backend takes a single indexer per load.
 
     length: rows at or past it read as zeros (an int, or a traced int32 read before the
     kernel's loop: a scalar load inside the loop costs the pipeline its stages). None:
@@ -67,7 +69,7 @@ def load_tokens(ref, tokens: jax.Array, length, head_dim: int, part=0,
     """
     cols, col_mask = _head_columns(head_dim, part, depth)
     mask, rows = _row_mask(tokens, length, col_mask)
-    return _load(ref.at[rows[:, None], cols], mask)
+    return _load(ref.at[(*lead, rows[:, None], cols)], mask)
 
 
 def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
