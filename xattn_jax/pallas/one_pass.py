@@ -100,7 +100,7 @@ def call_shape(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> CallSh
     Every row of as many heads as fit (all heads if they do: one call); else one head,
     its rows in steps that are multiples of both the tile's rows and block_rows. A call's
     programs then share one head's keys, which stay in L2; steps over all heads with a
-    few rows each read every head's keys again in every step, and measured 2-9% slower
+    few rows each read every head's keys again in every step, and measured 2-10% slower
     (tuning.md, note 24). None if not even one row step of one head fits.
     """
     all_rows = padded_rows(geom, tiling)
