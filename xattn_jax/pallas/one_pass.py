@@ -80,13 +80,15 @@ class CallShape(NamedTuple):
 
 
 def scratch_bytes(geom: Geometry, tiling: Tiling, call: CallShape) -> int:
+    """Scratch bytes of one kernel call of that shape."""
     return head_row_scratch_bytes(geom, tiling) * call.heads * call.rows
 
 
 def _even_steps(total: int, fit: int, quantum: int) -> int | None:
-    """Steps covering `total`: a multiple of `quantum`, the smallest that needs no more
-    steps than the largest within `fit` (the last step overlaps the one before it:
-    whatever it repeats is work done twice). None if not even one quantum fits."""
+    """The size of the steps that cover `total` (heads, or rows): a multiple of
+    `quantum`, the smallest that needs no more steps than the largest within `fit` (the
+    last step overlaps the one before it: whatever it repeats is work done twice). None
+    if not even one quantum fits."""
     if fit < quantum:
         return None
     steps = pl.cdiv(total, fit // quantum * quantum)
