@@ -161,10 +161,10 @@ def test_tiling_refuses_a_depth_that_is_not_a_power_of_two_of_16_or_more(depth):
 
 
 SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # GQA 4:2, MHA 2, GQA 4:1
-STEPS = {  # kind: (the bound in whole rows of one head, the call shape it gives)
-    "heads": (lambda rows, step: rows, lambda rows, step: (1, rows)),
-    "heads and rows": (lambda rows, step: step, lambda rows, step: (1, step)),
-    "head pairs": (lambda rows, step: 2 * rows, lambda rows, step: (2, rows)),
+STEPS = {  # kind: (rows, row step) -> (the bound in rows of one head, the call shape)
+    "heads": lambda rows, step: (rows, (1, rows)),
+    "heads and rows": lambda rows, step: (step, (1, step)),
+    "head pairs": lambda rows, step: (2 * rows, (2, rows)),
 }
 
 
@@ -183,7 +183,7 @@ def test_one_pass_in_several_calls(pallas_impl, case, steps, rand):
 
     geom, tiling = case.geom(), Tiling(case.tile, case.tile)
     rows, step = padded_rows(geom, tiling), math.lcm(case.tile, geom.block_rows)
-    bound_rows, shape = (f(rows, step) for f in STEPS[steps])
+    bound_rows, shape = STEPS[steps](rows, step)
     bound = head_row_scratch_bytes(geom, tiling) * bound_rows
     assert tuple(call_shape(geom, tiling, bound)) == shape, steps
     assert shape != (geom.q_heads, rows), "not several calls"
