@@ -2,9 +2,10 @@
 
 q and k go to JAX without a copy, with one stream-order step for both
 (`dlpack.views_for_one_computation`: q's view carries it, and the estimate reads both in
-one computation); the estimate runs where they live through `xattn_jax.xattn_estimate`, whose jitted function is compiled once
-per shape, dtype, device and static argument and reused after that; its two results come
-back as torch tensors without a copy, ordered before later work on torch's current stream.
+one computation); the estimate runs where they live through `xattn_jax.xattn_estimate`,
+whose jitted function is compiled once per shape, dtype, device and static argument and
+reused after that; its two results come back as torch tensors without a copy, ordered
+before later work on torch's current stream.
 """
 
 from __future__ import annotations
