@@ -3,7 +3,7 @@
     python -m bench.kv_quality [--context 32768] [--chunk 2048] [--kv-block 2048]
 
 The seed's chunked-prefill scenario at a CPU-friendly size: the demo's synthetic context
-(attention sinks, a local window, vertical and diagonal stripes, noise; xattn_jax.synthetic)
+(attention sinks, a local window, vertical and diagonal stripes, noise; xattn_jax.demo.synthetic)
 is split into cached keys and a last chunk of queries. `kv_block_scores` scores the cached
 KV blocks for the chunk and `select_kv_blocks` picks blocks by each rule. Recall is the
 share of the chunk's exact attention mass on the cached keys (softmax(q.k / sqrt(D)) at
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from bench.common import log, today, versions
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
-from xattn_jax.recall import coverage
-from xattn_jax.synthetic import structured_qk
+from xattn_jax.demo.recall import coverage
+from xattn_jax.demo.synthetic import structured_qk
 
 THRESHOLDS = (0.9, 0.95, 0.99)
 KV_HEADS = 2  # query heads are grouped in 2 for the per-KV-head selection

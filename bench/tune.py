@@ -20,8 +20,8 @@ import numpy as np
 from bench.common import floor_ms, log, strided_flops, time_ms
 from xattn_jax import reference
 from xattn_jax.geometry import check_qk
-from xattn_jax.pallas.block_sums import block_sums, passes_for
-from xattn_jax.pallas.tiling import Tiling
+from xattn_jax.triton.block_sums import block_sums, passes_for
+from xattn_jax.triton.tiling import Tiling
 
 SHAPES = {  # name: (Hq, Hkv, Lq, Lk, block_size, causal)
     "noncausal-64k-b64": (32, 32, 65536, 65536, 64, False),

@@ -126,8 +126,8 @@ def pallas_block_sums(q, k, geom: Geometry, *, causal: bool, norm: float, tile,
     in two pipeline steps where that leaves 16 columns or more; `passes` picks the one- or
     two-pass kernel (None: the default choice)."""
     from xattn_jax.geometry import next_pow2
-    from xattn_jax.pallas.block_sums import block_sums
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.block_sums import block_sums
+    from xattn_jax.triton.tiling import Tiling
 
     rows, cols = _tile_pair(tile)
     depth = next_pow2(geom.head_dim) // 2
@@ -172,7 +172,7 @@ class Impl:
             out = _ref_select(sums, t, causal=causal, keep_sink=keep_sink,
                               keep_recent=keep_recent)
         else:
-            from xattn_jax.pallas import select_blocks as mod
+            from xattn_jax.triton import select_blocks as mod
             out = mod.select_blocks(sums, t, causal=causal, keep_sink=keep_sink,
                                     keep_recent=keep_recent, interpret=self.interpret)
         assert out.dtype == jnp.bool_ and out.shape == sums.shape
@@ -182,7 +182,7 @@ class Impl:
         if not self.pallas:
             out = _ref_scores(q, k, geom, norm)
         else:
-            from xattn_jax.pallas import strided_scores as mod
+            from xattn_jax.triton import strided_scores as mod
             out = mod.strided_scores(q, k, geom=geom, norm=norm, tile=tile,
                                      interpret=self.interpret)
         return np.asarray(out)

@@ -140,8 +140,8 @@ def test_pallas_non_square_tiles(kernel_pallas_impl, tile, rand):
 def test_head_dim_steps_do_not_change_result(kernel_pallas_impl, depth, rand):
     """Head dim 24 (padded to 32 and masked) fed in steps of 16 columns, or in one step
     (32, a depth beyond the padded head dim, or None): the same block sums."""
-    from xattn_jax.pallas.block_sums import block_sums
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.block_sums import block_sums
+    from xattn_jax.triton.tiling import Tiling
 
     case = CASES[-1]
     q, k = case.inputs(rand)
@@ -154,7 +154,7 @@ def test_head_dim_steps_do_not_change_result(kernel_pallas_impl, depth, rand):
 
 @pytest.mark.parametrize("depth", [8, 48, 0])
 def test_tiling_refuses_a_depth_that_is_not_a_power_of_two_of_16_or_more(depth):
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.tiling import Tiling
 
     with pytest.raises(ValueError, match="Tiling.depth must be None or a power of two"):
         Tiling(16, 16, depth=depth)
@@ -177,9 +177,9 @@ def test_one_pass_in_several_calls(pallas_impl, case, steps, rand):
     """With a scratch bound below the whole call's, the one-pass kernel covers the heads,
     and if need be each head's rows, in several calls one after another (GQA's key heads
     picked for each call's heads): the same block sums as one call."""
-    from xattn_jax.pallas.block_sums import block_sums
-    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes, padded_rows
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.block_sums import block_sums
+    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes, padded_rows
+    from xattn_jax.triton.tiling import Tiling
 
     geom, tiling = case.geom(), Tiling(case.tile, case.tile)
     rows, step = padded_rows(geom, tiling), math.lcm(case.tile, geom.block_rows)
@@ -207,8 +207,8 @@ def test_row_steps_are_as_few_and_as_small_as_possible(fit_steps):
     call holds beyond need is work done twice (a 64K-token call at block 4096 whose bound
     held 12 of 16 steps once ran 2 calls of 12, redoing 8 steps; now 2 calls of 8)."""
     from xattn_jax.geometry import Geometry
-    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
+    from xattn_jax.triton.tiling import Tiling
 
     geom, tiling = Geometry(1, 2, 2, 8192, 8192, 64, 8, 256), Tiling(16, 64)
     step = math.lcm(tiling.rows, geom.block_rows)  # 32 rows; q_rows = 1024 = 32 steps
@@ -227,8 +227,8 @@ def test_head_steps_cover_whole_heads_evenly(fit_heads, heads):
     fewest calls need (32 heads, 10 fitting: 4 calls of 8, not 3 of 10 and one that
     repeats 8 heads)."""
     from xattn_jax.geometry import Geometry
-    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes, padded_rows
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes, padded_rows
+    from xattn_jax.triton.tiling import Tiling
 
     geom, tiling = Geometry(1, 32, 8, 4096, 4096, 64, 8, 256), Tiling(16, 64)
     rows = padded_rows(geom, tiling)
@@ -245,9 +245,9 @@ def test_default_scratch_bound(length, block_size, causal, one_step):
     48 MiB beyond (the 128K causal call: its workspace target is 64 MiB)."""
     import jax
 
-    from xattn_jax.pallas import block_sums as bs
-    from xattn_jax.pallas.one_pass import CallShape, call_shape, padded_rows, scratch_bytes
-    from xattn_jax.pallas.tiling import default_tiling
+    from xattn_jax.triton import block_sums as bs
+    from xattn_jax.triton.one_pass import CallShape, call_shape, padded_rows, scratch_bytes
+    from xattn_jax.triton.tiling import default_tiling
 
     shape = jax.ShapeDtypeStruct((1, 32, length, 128), jnp.bfloat16)
     geom = check_qk(shape, shape, stride=8, block_size=block_size, causal=causal)

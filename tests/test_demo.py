@@ -11,8 +11,8 @@ import pytest
 
 import xattn_jax
 from xattn_jax import demo
-from xattn_jax.recall import coverage
-from xattn_jax.synthetic import structured_qk
+from xattn_jax.demo.recall import coverage
+from xattn_jax.demo.synthetic import structured_qk
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--length", "512", "--heads", "2", "--head-dim", "16", "--block-size", "64",

@@ -138,9 +138,9 @@ def test_max_scratch_bytes_changes_how_the_call_is_stepped_not_the_result(impl, 
     two-pass kernel) give the default's block sums and mask, with less workspace; the
     reference ignores the bound."""
     from xattn_jax.geometry import check_qk
-    from xattn_jax.pallas.block_sums import passes_for
-    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes
-    from xattn_jax.pallas.tiling import default_tiling
+    from xattn_jax.triton.block_sums import passes_for
+    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
+    from xattn_jax.triton.tiling import default_tiling
 
     case = ApiCase("causal_steps_f32", 1, 2, 1, 1560, 1560, 16, 8, 32, True)
     q, k = case.inputs(rand)

@@ -204,7 +204,7 @@ def test_both_kernels_read_key_len_and_pages(passes, paged, seed):
     the pool), equals the reference on the k_len real keys."""
     from xattn_jax import reference
     from xattn_jax.geometry import check_qk
-    from xattn_jax.pallas.block_sums import block_sums
+    from xattn_jax.triton.block_sums import block_sums
 
     rng, q, k = _chunk(seed, q_len=96, capacity=512)
     k_len = 333
@@ -235,10 +235,10 @@ def test_key_len_over_several_row_steps(k_len, seed):
     last stride group, scored outside the kernel, joins every call's rows."""
     from xattn_jax import reference
     from xattn_jax.geometry import check_qk
-    from xattn_jax.pallas.block_sums import block_sums
-    from xattn_jax.pallas.one_pass import call_shape, head_row_scratch_bytes
-    from xattn_jax.pallas.row_tile import keys_fit
-    from xattn_jax.pallas.tiling import Tiling
+    from xattn_jax.triton.block_sums import block_sums
+    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
+    from xattn_jax.triton.row_tile import keys_fit
+    from xattn_jax.triton.tiling import Tiling
 
     _, q, k = _chunk(seed, q_len=512, capacity=512)
     k = k.at[:, :, k_len:].set(jnp.nan)

@@ -1,7 +1,7 @@
 """Public entry points. Each checks its arguments and picks an implementation.
 
 `impl`: "reference" is the plain-JAX reference (`xattn_jax.reference`); "pallas" runs the
-Pallas kernels (`xattn_jax.pallas`), compiled through Triton on a GPU and in Pallas
+Pallas kernels (`xattn_jax.triton`), compiled through Triton on a GPU and in Pallas
 interpret mode elsewhere (slow: for tests); "auto" is Pallas on a GPU, the reference
 elsewhere.
 """
@@ -15,9 +15,9 @@ import jax
 from xattn_jax import reference
 from xattn_jax.geometry import (Geometry, check_impl, check_norm, check_qk, check_scratch_bytes,
                                 threshold_per_head)
-from xattn_jax.pallas import block_sums as pallas_block_sums
-from xattn_jax.pallas import select_blocks as pallas_select
-from xattn_jax.pallas import strided_scores as pallas_scores
+from xattn_jax.triton import block_sums as pallas_block_sums
+from xattn_jax.triton import select_blocks as pallas_select
+from xattn_jax.triton import strided_scores as pallas_scores
 
 PALLAS_MAX_KEY_BLOCKS = 16384  # wider rows select with the reference (XLA sort)
 

@@ -20,7 +20,7 @@ import numpy as np
 from xattn_jax import reference
 from xattn_jax.api import resolve_backend
 from xattn_jax.geometry import Geometry, check_norm, check_qk
-from xattn_jax.pallas import block_sums as pallas_block_sums
+from xattn_jax.triton import block_sums as pallas_block_sums
 
 RULES = ("score", "vote")
 

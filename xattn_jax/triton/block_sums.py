@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.one_pass import (CallShape, call_shape, one_pass_block_sums,
+from xattn_jax.triton.one_pass import (CallShape, call_shape, one_pass_block_sums,
                                        padded_rows, scratch_bytes)
-from xattn_jax.pallas.tiling import Tiling, default_tiling
-from xattn_jax.pallas.two_pass import two_pass_block_sums
+from xattn_jax.triton.tiling import Tiling, default_tiling
+from xattn_jax.triton.two_pass import two_pass_block_sums
 
 ONE_PASS_WHOLE_CALL_BYTES = 3 << 29  # 1.5 GiB: a call whose whole scratch fits takes one step
 ONE_PASS_STEP_BYTES = 48 << 20  # else steps: keeps the 128K causal call within 64 MiB

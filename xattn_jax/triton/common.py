@@ -1,18 +1,20 @@
-"""Section 1 as a Pallas kernel: strided antidiagonal scores, tile by tile.
+"""What every Triton-backend kernel shares: the grid and its BlockSpecs, the token
+loaders (contiguous and paged), and the strided product (docs/estimate.md section 1),
+written once here.
 
-`step_product` is the one place the strided product is written; the standalone
-`strided_scores` kernel below stores its tiles, and the fused block-sum kernel
-(`block_sums.py`) consumes them without ever writing the score matrix.
+The grid is (column group, row tile, batch, query head). Pallas' Triton backend folds the
+first two axes into CUDA's x, which the GPU launches fastest, so the programs running at
+one time are the row tiles and key-column groups of one head: they share that head's keys
+(and GQA's query heads one key head) in L2. With batch and head first, the programs
+running together spanned every head, and the one-pass kernel was 1.3x slower at 64K
+tokens (bench/results/tuning.md, note 10).
 
-q and k are read in place in their `[B, H, L, D]` layout: a reshaped row is `S` token rows
-of the original tensor, gathered by index inside the kernel, so there is no padded,
-reshaped or head-repeated copy. GQA picks the key head by index: in the BlockSpec index
-map here (`grid.key_head_spec`), in the kernel in the fused ones (`row_tile.RowTile`).
+q and k are read in place in their `[B, H, L, D]` layout: a reshaped row is `S` token
+rows of the original tensor, gathered by index inside the kernel, so there is no padded,
+reshaped or head-repeated copy.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +22,37 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry, next_pow2
-from xattn_jax.pallas.grid import COL_AXIS, ROW_AXIS, head_spec, kernel_grid, key_head_spec
-from xattn_jax.pallas.tiling import default_tiling
+
+LOG2_E = 1.4426950408889634
+COL_AXIS, ROW_AXIS, BATCH_AXIS, HEAD_AXIS = range(4)
+
+def kernel_grid(geom: Geometry, row_tiles: int, col_groups: int = 1,
+                heads: int | None = None) -> tuple[int, ...]:
+    """The grid of a call covering `heads` query heads (default all)."""
+    return (col_groups, row_tiles, geom.batch, heads or geom.q_heads)
+
+
+def head_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """One (batch, query head)'s whole slab of an array `[B, Hq, *shape]`."""
+    return pl.BlockSpec((None, None) + tuple(shape),
+                        lambda c, r, b, h: (b, h) + (0,) * len(shape))
+
+
+def key_head_spec(geom: Geometry) -> pl.BlockSpec:
+    """The keys `[B, Hkv, Lk, D]` query head h reads: key head h // group."""
+    g = geom.group
+    return pl.BlockSpec((None, None, geom.k_len, geom.head_dim),
+                        lambda c, r, b, h: (b, h // g, 0, 0))
+
+
+def batch_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """One batch element's row of an array `[B, *shape]` (a block table)."""
+    return pl.BlockSpec((None,) + tuple(shape), lambda c, r, b, h: (b,) + (0,) * len(shape))
+
+
+def whole_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """An array every program reads whole (a paged cache, scalars)."""
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
 def _head_columns(head_dim: int, part, depth: int | None) -> tuple[jax.Array, jax.Array | None]:
@@ -134,47 +165,3 @@ def score_tile(load_queries, load_keys, row0, col0, *, rows: int, cols: int, geo
     acc = jax.lax.fori_loop(0, geom.stride * head_parts(geom, depth), add_step,
                             jnp.zeros((rows, cols), jnp.float32))
     return acc * jnp.float32(scale)
-
-
-def qk_specs(geom: Geometry) -> list[pl.BlockSpec]:
-    """BlockSpecs handing one (batch, query head)'s q and its key head's k to a program
-    of the shared grid (`grid.py`)."""
-    return [head_spec((geom.q_len, geom.head_dim)), key_head_spec(geom)]
-
-
-def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float, tile: int):
-    row0 = pl.program_id(ROW_AXIS) * tile
-    col0 = pl.program_id(COL_AXIS) * tile
-    load_queries = functools.partial(load_tokens, q_ref, length=geom.q_len,
-                                     head_dim=geom.head_dim)
-    load_keys = functools.partial(load_tokens, k_ref, length=geom.k_len,
-                                  head_dim=geom.head_dim)
-    a = score_tile(load_queries, load_keys, row0, col0, rows=tile, cols=tile, geom=geom,
-                   scale=geom.scale / norm, depth=next_pow2(geom.head_dim))
-    mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
-        & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]
-    plgpu.store(out_ref.at[pl.ds(row0, tile), pl.ds(col0, tile)], a, mask=mask)
-
-
-@functools.partial(jax.jit, static_argnames=("geom", "norm", "tile", "interpret"))
-def strided_scores(q: jax.Array, k: jax.Array, *, geom: Geometry, norm: float,
-                   tile: int | None = None, interpret: bool = False) -> jax.Array:
-    """Pallas section 1: float32 scores `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`.
-
-    q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]` (float32, bfloat16 or float16). This writes
-    the whole score matrix, O((L/S)^2) memory: use it to inspect scores, not inside the
-    estimate, which fuses it away.
-    """
-    tile = tile or min(64, default_tiling(geom, q.dtype).rows)
-    grid = kernel_grid(geom, pl.cdiv(geom.q_rows, tile), pl.cdiv(geom.k_cols, tile))
-    kernel = functools.partial(_strided_scores_kernel, geom=geom, norm=norm, tile=tile)
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=qk_specs(geom),
-        out_specs=head_spec((geom.q_rows, geom.k_cols)),
-        out_shape=jax.ShapeDtypeStruct(
-            (geom.batch, geom.q_heads, geom.q_rows, geom.k_cols), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-    )(q, k)

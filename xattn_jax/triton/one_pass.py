@@ -36,9 +36,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax import reference
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.grid import COL_AXIS, ROW_AXIS, head_spec, kernel_grid
-from xattn_jax.pallas.row_tile import LOG2_E, RowTile, key_operands, keys_fit, row_tile_refs
-from xattn_jax.pallas.tiling import Tiling
+from xattn_jax.triton.common import COL_AXIS, LOG2_E, ROW_AXIS, head_spec, kernel_grid
+from xattn_jax.triton.row_tile import RowTile, key_operands, keys_fit, row_tile_refs
+from xattn_jax.triton.tiling import Tiling
 
 def _unit(geom: Geometry, tiling: Tiling) -> int:
     return math.gcd(geom.block_rows, tiling.cols)

@@ -1,8 +1,8 @@
 """The demo (`python -m xattn_jax`, `xattn-demo`): the estimate on a synthetic long context.
 
-It builds structured q and k (`xattn_jax.synthetic`: attention sinks, a local window,
+It builds structured q and k (`xattn_jax.demo.synthetic`: attention sinks, a local window,
 vertical and diagonal stripes, noise), times the jitted `xattn_estimate`, measures the
-mask's density and its exact recall (`xattn_jax.recall`), prints a short report and writes
+mask's density and its exact recall (`xattn_jax.demo.recall`), prints a short report and writes
 a PNG of one head's block sums and block mask.
 """
 
@@ -18,8 +18,8 @@ import numpy as np
 
 from xattn_jax.api import resolve_backend, xattn_estimate
 from xattn_jax.geometry import IMPLS
-from xattn_jax.recall import Coverage, coverage
-from xattn_jax.synthetic import structured_qk
+from xattn_jax.demo.recall import Coverage, coverage
+from xattn_jax.demo.synthetic import structured_qk
 
 
 def _positive_int(text: str) -> int:

@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.grid import ROW_AXIS, head_spec, kernel_grid
-from xattn_jax.pallas.row_tile import RowTile, key_operands, row_tile_refs
-from xattn_jax.pallas.tiling import Tiling
+from xattn_jax.triton.common import ROW_AXIS, head_spec, kernel_grid
+from xattn_jax.triton.row_tile import RowTile, key_operands, row_tile_refs
+from xattn_jax.triton.tiling import Tiling
 
 
 def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,

@@ -3,7 +3,7 @@ from, which key tiles it sees, and its masked score tiles (ESTIMATE.md section 1
 causal and padding masks of section 2).
 
 A program owns `tiling.rows` reshaped query rows of one (batch, query head), on the grid
-of `grid.py`. The kernels take q and k whole and index the program's heads themselves,
+of `common.py`. The kernels take q and k whole and index the program's heads themselves,
 so that a call can cover some of the heads (`one_pass.call_shape`) without a copy.
 """
 
@@ -16,12 +16,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.pallas.grid import BATCH_AXIS, HEAD_AXIS, ROW_AXIS, batch_spec, whole_spec
-from xattn_jax.pallas.strided_scores import (head_parts, load_paged_tokens, load_tokens,
-                                             score_tile, step_product)
-from xattn_jax.pallas.tiling import Tiling
-
-LOG2_E = 1.4426950408889634
+from xattn_jax.triton.common import (BATCH_AXIS, HEAD_AXIS, LOG2_E, ROW_AXIS, batch_spec,
+                                     head_parts, load_paged_tokens, load_tokens, score_tile,
+                                     step_product, whole_spec)
+from xattn_jax.triton.tiling import Tiling
 
 
 class RowTile:

@@ -1,0 +1,12 @@
+"""The plain-JAX reference: the source of truth every kernel is tested against.
+
+`estimate`: sections 1-4 of docs/estimate.md (strided scores, softmax block sums, the
+threshold selection).
+"""
+
+from xattn_jax.reference.estimate import (block_sums, forced_and_allowed, select_blocks,
+                                          softmax_block_sums, strided_scores, take_descending,
+                                          visible)
+
+__all__ = ["block_sums", "forced_and_allowed", "select_blocks", "softmax_block_sums",
+           "strided_scores", "take_descending", "visible"]
