@@ -82,7 +82,7 @@ ESTIMATE.md rule, and the original's rule with Q1-Q5. On the original's own bloc
 Q1 rows are also reported on their own: agreement "excl. Q1 rows" leaves out whole rows
 I < chunk_size / block_size of causal Lq == Lk cases.
 
-Ours runs with impl="reference" (plain JAX) and impl="pallas" (the Pallas kernels, in
+Ours runs with impl="reference" (plain JAX) and impl="triton" (the Pallas kernels, in
 interpret mode on a CPU). Progress goes to stderr; stdout ends with the markdown table.
 """
 
@@ -534,13 +534,13 @@ def main(argv=None) -> int:
     p.add_argument("--original-commit", default=None,
                    help="commit of that checkout, if it is not a git work tree")
     p.add_argument("--cases", choices=sorted(CASES), default="small")
-    p.add_argument("--impls", default="reference,pallas",
+    p.add_argument("--impls", default="reference,triton",
                    help="comma-separated xattn_jax impls to compare (default both)")
     p.add_argument("--only", default=None, help="comma-separated case names to run")
     args = p.parse_args(argv)
     impls = [s for s in args.impls.split(",") if s]
     for impl in impls:
-        if impl not in ("reference", "pallas"):
+        if impl not in ("reference", "triton"):
             p.error(f"unknown impl {impl!r}")
 
     module = load_original(args.original)

@@ -63,7 +63,7 @@ def run_case(name: str, original=None) -> tuple[list[dict], str | None]:
 
     def fn(q, k):
         return xattn_estimate(q, k, block_size=block_size, stride=STRIDE, causal=causal,
-                              impl="pallas")
+                              impl="triton")
 
     floor = floor_ms(strided_flops(HEADS, length, length, STRIDE, HEAD_DIM, causal))
     note = None

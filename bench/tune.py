@@ -1,12 +1,13 @@
-"""Measures Tiling variants of the fused block-sum kernel and checks each one first.
+"""Measures tile variants of the fused block-sum kernels and checks each one first.
 
-    python -m bench.tune [--variants R,C,W,S[,SPAN[,PASSES[,DEPTH]]];...] [--shapes NAME,...]
+    python -m bench.tune [--variants Q,K,W,S[,SPAN[,PASSES[,D]]];...] [--shapes NAME,...]
 
-For every variant: block sums against the reference on small random inputs (float32 and
-bfloat16, causal and not, GQA, odd lengths), then the median time on each shape with the
-ratio to the floor. The table at the end is what chose `xattn_jax.tiling`. SPAN is the
-one-pass kernel's key tiles per program (0: all of a row's), PASSES 1 or 2 (0: the
-default choice), DEPTH the head-dim columns per pipeline step (0: all).
+For every variant: block sums against the reference on small random inputs (bfloat16,
+causal and not, GQA, odd lengths), then the median time on each shape with the ratio to
+the floor. The table at the end is what chose `xattn_jax.triton.plan.TUNED`. Q, K: block_q,
+block_k; W, S: warps and stages; SPAN the one-pass kernel's key tiles per program (0: the
+plan's default), PASSES 1 or 2 (0: the plan's choice), D block_d, the head-dim columns per
+pipeline step (0: all).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 from bench.common import floor_ms, log, strided_flops, time_ms
 from xattn_jax import reference
 from xattn_jax.geometry import check_qk
-from xattn_jax.triton.block_sums import block_sums, passes_for
-from xattn_jax.triton.tiling import Tiling
+from xattn_jax.triton.block_sums import block_sums
+from xattn_jax.triton.plan import BLOCK_SUM_KERNELS, Tiles, plan_block_sums
 
 SHAPES = {  # name: (Hq, Hkv, Lq, Lk, block_size, causal)
     "noncausal-64k-b64": (32, 32, 65536, 65536, 64, False),
@@ -42,13 +43,19 @@ def _random(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def _variant(text: str) -> tuple[Tiling, int | None]:
+def _variant(text: str) -> tuple[Tiles, str | None]:
     rows, cols, warps, stages, span, passes, depth = (list(map(int, text.split(",")))
                                                       + [0, 0, 0])[:7]
-    return Tiling(rows, cols, warps, stages, span or None, depth or None), passes or None
+    kernel = BLOCK_SUM_KERNELS[passes - 1] if passes else None
+    return Tiles(rows, cols, depth or None, warps, stages, span or None), kernel
 
 
-def check(tiling: Tiling, passes: int | None) -> float:
+def _plan(geom, causal: bool, tiles: Tiles, kernel: str | None):
+    return plan_block_sums(geom, jnp.bfloat16, causal, interpret=False, tiles=tiles,
+                           kernel=kernel)
+
+
+def check(tiles: Tiles, kernel: str | None) -> float:
     """Worst relative error of the variant's block sums over CHECKS on bf16 inputs.
 
     Both sides take the same inputs and accumulate in float32, so the error should be at
@@ -63,8 +70,8 @@ def check(tiling: Tiling, passes: int | None) -> float:
             k = _random(kk, (1, hkv, lk, 128), dtype)
             geom = check_qk(q, k, stride=8, block_size=bs, causal=causal)
             want = reference.block_sums(q, k, geom, causal=causal, norm=1.0)
-            got = block_sums(q, k, geom=geom, causal=causal, norm=1.0, tiling=tiling,
-                             passes=passes)
+            got = block_sums(q, k, plan=_plan(geom, causal, tiles, kernel), causal=causal,
+                             norm=1.0)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             worst = max(worst, err)
     return worst
@@ -73,16 +80,16 @@ def check(tiling: Tiling, passes: int | None) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="rows,cols,num_warps,num_stages[,span[,passes[,depth"
-                             "]]];... (default: %(default)s)")
+                        help="block_q,block_k,num_warps,num_stages[,span[,passes[,"
+                             "block_d]]];... (default: %(default)s)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES")
     args = parser.parse_args(argv)
     variants = [_variant(v) for v in args.variants.split(";")]
     rows = []
-    for tiling, passes in variants:
-        log(f"checking {tiling}, passes {passes or 'default'}")
+    for tiles, kernel in variants:
+        log(f"checking {tiles}, kernel {kernel or 'default'}")
         try:
-            err = check(tiling, passes)
+            err = check(tiles, kernel)
         except jax.errors.JaxRuntimeError as e:  # e.g. the tile needs too much shared memory
             log(f"  failed: {str(e).splitlines()[0]}")
             continue
@@ -93,8 +100,9 @@ def main(argv=None) -> None:
             q = _random(keys[0], (1, hq, q_len, 128), jnp.bfloat16)
             k = _random(keys[1], (1, hkv, k_len, 128), jnp.bfloat16)
             geom = check_qk(q, k, stride=8, block_size=bs, causal=causal)
-            fn = jax.jit(lambda q, k, g=geom, c=causal: block_sums(
-                q, k, geom=g, causal=c, norm=1.0, tiling=tiling, passes=passes))
+            plan = _plan(geom, causal, tiles, kernel)
+            fn = jax.jit(lambda q, k, p=plan, c=causal: block_sums(q, k, plan=p, causal=c,
+                                                                  norm=1.0))
             try:
                 times[name] = time_ms(fn, [(q, k)], warmup=2, reps=10)
             except jax.errors.JaxRuntimeError as e:
@@ -102,16 +110,15 @@ def main(argv=None) -> None:
                 times[name] = float("nan")
                 continue
             floor = floor_ms(strided_flops(hq, q_len, k_len, 8, 128, causal))
-            used = passes or passes_for(geom, tiling)
             log(f"  {name}: {times[name]:.3f} ms ({times[name] / floor:.2f} x floor), "
-                f"{used} pass(es)")
-        rows.append((tiling, passes, err, times))
-    print("| rows | cols | warps | stages | span | passes | depth | check err | "
+                f"{plan.kernel}, span {plan.span}, {plan.calls} call(s)")
+        rows.append((tiles, kernel, err, times))
+    print("| block_q | block_k | warps | stages | span | kernel | block_d | check err | "
           + " | ".join(f"{n} ms" for n in args.shapes.split(",")) + " |")
     print("|---" * (8 + len(args.shapes.split(","))) + "|")
-    for tiling, passes, err, times in rows:
-        print(f"| {tiling.rows} | {tiling.cols} | {tiling.num_warps} | {tiling.num_stages} | "
-              f"{tiling.span or 'all'} | {passes or 'auto'} | {tiling.depth or 'all'} | "
+    for tiles, kernel, err, times in rows:
+        print(f"| {tiles.block_q} | {tiles.block_k} | {tiles.num_warps} | {tiles.num_stages} | "
+              f"{tiles.span or 'plan'} | {kernel or 'plan'} | {tiles.block_d or 'all'} | "
               f"{err:.1e} | "
               + " | ".join(f"{t:.3f}" for t in times.values()) + " |")
 

@@ -1,11 +1,9 @@
 """Shared fixtures: the implementations every test runs against, and seeded random inputs.
 
-Implementations (the `impl` fixture):
-- "reference": `xattn_jax.reference` (jitted), public API with impl="reference";
-- "interpret": the Pallas kernels with interpret=True (CPU), public API with impl="pallas"
-  (which runs interpret mode by itself off a GPU);
-- "gpu": the Pallas kernels compiled through Triton, public API with impl="pallas";
-  marked `gpu` and skipped unless `jax.default_backend() == "gpu"`.
+Implementations (the `impl` fixture and its kin): the names of `xattn_jax.impls`
+available where the tests run: "reference" (plain JAX) everywhere; "triton" in Pallas
+interpret mode on a CPU, compiled and marked `gpu` on a GPU ("mosaic" joins for the ops it
+has kernels for, on Hopper).
 
 Randomness: every test that draws data takes the `rand` fixture, seeded from a fresh
 `np.random.default_rng()` (or from the environment variable XATTN_TEST_SEED). The seed is
@@ -30,8 +28,12 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from xattn_jax import reference  # noqa: E402
-from xattn_jax.geometry import Geometry  # noqa: E402
+from xattn_jax import impls, reference  # noqa: E402
+from xattn_jax.geometry import Geometry, next_pow2  # noqa: E402
+from xattn_jax.triton.block_sums import block_sums as triton_block_sums  # noqa: E402
+from xattn_jax.triton.plan import (BLOCK_SUM_KERNELS, MIN_SIDE, Plan, Tiles,  # noqa: E402
+                                   plan_block_sums, plan_strided_scores)
+from xattn_jax.triton.strided_scores import strided_scores as triton_strided_scores  # noqa: E402
 
 SEED_ENV = "XATTN_TEST_SEED"
 
@@ -120,47 +122,46 @@ def _tile_pair(tile) -> tuple[int, int]:
     return (tile, tile) if isinstance(tile, int) else tuple(tile)
 
 
-def pallas_block_sums(q, k, geom: Geometry, *, causal: bool, norm: float, tile,
-                      interpret: bool, passes: int | None = None) -> jax.Array:
-    """Calls the Pallas block-sum kernel with a (rows, cols) or square tile, the head dim
-    in two pipeline steps where that leaves 16 columns or more; `passes` picks the one- or
-    two-pass kernel (None: the default choice)."""
-    from xattn_jax.geometry import next_pow2
-    from xattn_jax.triton.block_sums import block_sums
-    from xattn_jax.triton.tiling import Tiling
-
+def small_tiles(geom: Geometry, tile) -> Tiles:
+    """A (block_q, block_k) or square tile, the head dim in two pipeline steps where that
+    leaves 16 columns or more (so that tests reach the head-dim loop)."""
     rows, cols = _tile_pair(tile)
     depth = next_pow2(geom.head_dim) // 2
-    return block_sums(q, k, geom=geom, causal=causal, norm=norm,
-                      tiling=Tiling(rows=rows, cols=cols, depth=depth if depth >= 16 else None),
-                      passes=passes, interpret=interpret)
+    return Tiles(block_q=rows, block_k=cols, block_d=depth if depth >= MIN_SIDE else None)
 
 
 class Impl:
-    """One implementation of the estimate's stages, returning numpy arrays.
+    """One implementation of the estimate's stages (`xattn_jax.impls`), returning numpy
+    arrays, with small tiles so that tests on tiny shapes cross tile borders.
 
-    name: "reference", "interpret" or "gpu", optionally with the block-sum kernel's pass
-    count ("interpret/1", "gpu/2").
+    name: "reference" or "triton" (Pallas interpret mode off a GPU), optionally with the
+    block-sum kernel ("triton/one_pass", "triton/two_pass"; default: the plan's choice).
     """
 
     def __init__(self, name: str):
         self.name = name
-        backend, _, passes = name.partition("/")
-        self.passes = int(passes) if passes else None
-        self.pallas = backend != "reference"
-        self.interpret = backend == "interpret"
-        self.api = "reference" if backend == "reference" else "pallas"
+        self.api, _, kernel = name.partition("/")
+        self.kernel = kernel or None
+        self.impl = impls.resolve(self.api)
+        self.is_kernel = self.api != "reference"
+        self.interpret = self.impl.interpret
 
     def __repr__(self) -> str:
         return f"Impl({self.name})"
 
+    def plan(self, geom: Geometry, dtype, *, causal: bool, tile=32, **overrides) -> Plan:
+        """The block-sum plan this implementation runs for `geom` with `tile`."""
+        return plan_block_sums(geom, dtype, causal, interpret=self.interpret,
+                               tiles=small_tiles(geom, tile), kernel=self.kernel, **overrides)
+
     def block_sums(self, q, k, geom: Geometry, *, causal: bool, norm: float = 1.0,
                    tile=32) -> np.ndarray:
-        if not self.pallas:
+        if not self.is_kernel:
             out = _ref_block_sums(q, k, geom, causal=causal, norm=norm)
         else:
-            out = pallas_block_sums(q, k, geom, causal=causal, norm=norm, tile=tile,
-                                    interpret=self.interpret, passes=self.passes)
+            out = triton_block_sums(q, k, plan=self.plan(geom, q.dtype, causal=causal,
+                                                         tile=tile),
+                                    causal=causal, norm=norm)
         assert out.dtype == jnp.float32
         return np.asarray(out)
 
@@ -168,64 +169,56 @@ class Impl:
                keep_recent: bool = False) -> np.ndarray:
         sums = jnp.asarray(sums, jnp.float32)
         t = jnp.broadcast_to(jnp.asarray(threshold, jnp.float32), (sums.shape[1],))
-        if not self.pallas:
-            out = _ref_select(sums, t, causal=causal, keep_sink=keep_sink,
-                              keep_recent=keep_recent)
-        else:
-            from xattn_jax.triton import select_blocks as mod
-            out = mod.select_blocks(sums, t, causal=causal, keep_sink=keep_sink,
-                                    keep_recent=keep_recent, interpret=self.interpret)
+        out = self.impl.select_blocks(sums, t, causal=causal, keep_sink=keep_sink,
+                                      keep_recent=keep_recent)
         assert out.dtype == jnp.bool_ and out.shape == sums.shape
         return np.asarray(out)
 
     def scores(self, q, k, geom: Geometry, *, norm: float = 1.0, tile: int = 16):
-        if not self.pallas:
+        if not self.is_kernel:
             out = _ref_scores(q, k, geom, norm)
         else:
-            from xattn_jax.triton import strided_scores as mod
-            out = mod.strided_scores(q, k, geom=geom, norm=norm, tile=tile,
-                                     interpret=self.interpret)
+            plan = plan_strided_scores(geom, q.dtype, interpret=self.interpret, tile=tile)
+            out = triton_strided_scores(q, k, plan=plan, norm=norm)
         return np.asarray(out)
 
 
-IMPL_PARAMS = ["reference", "interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
-PALLAS_PARAMS = ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
-# the block-sum kernels, each pass count on its own
-KERNEL_PARAMS = ["interpret/1", "interpret/2", pytest.param("gpu/1", marks=pytest.mark.gpu),
-                 pytest.param("gpu/2", marks=pytest.mark.gpu)]
+def _kernel_param(name: str):
+    """A kernel implementation's parameter: compiled and marked `gpu` on a GPU, Pallas
+    interpret mode elsewhere."""
+    return pytest.param(name, marks=pytest.mark.gpu) if on_gpu() else name
 
 
-def _make_impl(name: str) -> Impl:
-    if name.startswith("gpu") and not on_gpu():
-        pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
-    return Impl(name)
+# The implementations available where the tests run, each kernel variant on its own.
+IMPL_PARAMS = ["reference", _kernel_param("triton")]
+KERNEL_IMPL_PARAMS = [_kernel_param("triton")]
+BLOCK_SUM_KERNEL_PARAMS = [_kernel_param(f"triton/{kernel}") for kernel in BLOCK_SUM_KERNELS]
 
 
 @pytest.fixture(params=IMPL_PARAMS)
 def impl(request) -> Impl:
-    """Every implementation: reference, Pallas interpret, Pallas on GPU."""
-    return _make_impl(request.param)
+    """Every implementation available here."""
+    return Impl(request.param)
 
 
-@pytest.fixture(params=PALLAS_PARAMS)
+@pytest.fixture(params=KERNEL_IMPL_PARAMS)
 def pallas_impl(request) -> Impl:
-    """The Pallas implementations only (tile-dependent properties)."""
-    return _make_impl(request.param)
+    """The kernel implementations only (tile-dependent properties)."""
+    return Impl(request.param)
 
 
-@pytest.fixture(params=["reference"] + KERNEL_PARAMS)
+@pytest.fixture(params=["reference"] + BLOCK_SUM_KERNEL_PARAMS)
 def kernel_impl(request) -> Impl:
-    """The reference and both block-sum kernels (one pass, two passes) on each backend."""
-    return _make_impl(request.param)
+    """The reference and each block-sum kernel (one pass, two passes)."""
+    return Impl(request.param)
 
 
-@pytest.fixture(params=KERNEL_PARAMS)
+@pytest.fixture(params=BLOCK_SUM_KERNEL_PARAMS)
 def kernel_pallas_impl(request) -> Impl:
-    """Both block-sum kernels on each Pallas backend."""
-    return _make_impl(request.param)
+    """Each block-sum kernel."""
+    return Impl(request.param)
 
 
 @pytest.fixture
 def reference_impl() -> Impl:
     return Impl("reference")
-

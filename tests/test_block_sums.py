@@ -15,7 +15,10 @@ from hypothesis import strategies as st
 
 import np_reference as npr
 from cases import F32_RTOL, GPU_SLACK, QKCase
-from xattn_jax.geometry import check_qk
+from xattn_jax.geometry import Geometry, check_qk
+from xattn_jax.triton.block_sums import block_sums as triton_block_sums
+from xattn_jax.triton.plan import (ONE_PASS, ONE_PASS_STEP_BYTES, ONE_PASS_WHOLE_CALL_BYTES,
+                                   TWO_PASS, Plan, Tiles, plan_block_sums)
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
@@ -84,7 +87,7 @@ def test_block_sums_match_float64_reference(kernel_impl, reference_impl, case, r
     err = npr.rel_err(got, want)
     assert err <= case.rtol, \
         f"{kernel_impl} {case.id} {rand}: relative error {err:.3g} > {case.rtol}"
-    if kernel_impl.pallas:  # the kernel against the JAX reference on the same inputs
+    if kernel_impl.is_kernel:  # the kernel against the JAX reference on the same inputs
         want32 = reference_impl.block_sums(q, k, case.geom(), causal=case.causal,
                                            norm=case.norm)
         err32 = npr.rel_err(got, want32)
@@ -140,24 +143,21 @@ def test_pallas_non_square_tiles(kernel_pallas_impl, tile, rand):
 def test_head_dim_steps_do_not_change_result(kernel_pallas_impl, depth, rand):
     """Head dim 24 (padded to 32 and masked) fed in steps of 16 columns, or in one step
     (32, a depth beyond the padded head dim, or None): the same block sums."""
-    from xattn_jax.triton.block_sums import block_sums
-    from xattn_jax.triton.tiling import Tiling
-
     case = CASES[-1]
     q, k = case.inputs(rand)
-    got = block_sums(q, k, geom=case.geom(), causal=case.causal, norm=case.norm,
-                     tiling=Tiling(16, 16, depth=depth), passes=kernel_pallas_impl.passes,
-                     interpret=kernel_pallas_impl.interpret)
+    plan = plan_block_sums(case.geom(), q.dtype, case.causal,
+                           interpret=kernel_pallas_impl.interpret,
+                           tiles=Tiles(16, 16, block_d=depth), kernel=kernel_pallas_impl.kernel)
+    assert plan.block_d == min(depth or 32, 32) and plan.head_parts == 32 // plan.block_d
+    got = triton_block_sums(q, k, plan=plan, causal=case.causal, norm=case.norm)
     err = npr.rel_err(np.asarray(got), case.expected(q, k))
     assert err <= F32_RTOL, f"depth {depth}: {err:.3g} {rand}"
 
 
 @pytest.mark.parametrize("depth", [8, 48, 0])
-def test_tiling_refuses_a_depth_that_is_not_a_power_of_two_of_16_or_more(depth):
-    from xattn_jax.triton.tiling import Tiling
-
-    with pytest.raises(ValueError, match="Tiling.depth must be None or a power of two"):
-        Tiling(16, 16, depth=depth)
+def test_tiles_refuse_a_block_d_that_is_not_a_power_of_two_of_16_or_more(depth):
+    with pytest.raises(ValueError, match="block_d must be None or a power of two"):
+        Tiles(16, 16, block_d=depth)
 
 
 SPLIT_CASES = [CASES[2], CASES[3], CASES[5]]  # GQA 4:2, MHA 2, GQA 4:1
@@ -177,27 +177,44 @@ def test_one_pass_in_several_calls(pallas_impl, case, steps, rand):
     """With a scratch bound below the whole call's, the one-pass kernel covers the heads,
     and if need be each head's rows, in several calls one after another (GQA's key heads
     picked for each call's heads): the same block sums as one call."""
-    from xattn_jax.triton.block_sums import block_sums
-    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes, padded_rows
-    from xattn_jax.triton.tiling import Tiling
-
-    geom, tiling = case.geom(), Tiling(case.tile, case.tile)
-    rows, step = padded_rows(geom, tiling), math.lcm(case.tile, geom.block_rows)
-    bound_rows, shape = STEPS[steps](rows, step)
-    bound = head_row_scratch_bytes(geom, tiling) * bound_rows
-    assert tuple(call_shape(geom, tiling, bound)) == shape, steps
-    assert shape != (geom.q_heads, rows), "not several calls"
     q, k = case.inputs(rand)
-    run = functools.partial(block_sums, q, k, geom=geom, causal=case.causal, norm=case.norm,
-                            tiling=tiling, passes=1, interpret=pallas_impl.interpret)
-    split, whole = np.asarray(run(max_scratch_bytes=bound)), np.asarray(run())
-    assert split.shape == whole.shape
-    assert npr.rel_err(split, case.expected(q, k)) <= F32_RTOL, f"{case.id} {rand}"
-    assert npr.rel_err(split, whole) <= 2e-6 * GPU_SLACK, f"{case.id} {rand}"
+    geom = case.geom()
+
+    def plan(**bound):
+        return plan_block_sums(geom, q.dtype, case.causal, interpret=pallas_impl.interpret,
+                               tiles=Tiles(case.tile, case.tile), kernel=ONE_PASS, **bound)
+
+    whole = plan()
+    rows, step = whole.padded_rows, math.lcm(case.tile, geom.block_rows)
+    bound_rows, shape = STEPS[steps](rows, step)
+    bound = whole.head_row_scratch_bytes * bound_rows
+    split = plan(max_scratch_bytes=bound)
+    assert (split.call_heads, split.call_rows) == shape, steps
+    assert split.calls > 1 and whole.calls == 1, "not several calls"
+    assert split.scratch_bytes <= bound < whole.scratch_bytes
+
+    def run(p):
+        return np.asarray(triton_block_sums(q, k, plan=p, causal=case.causal, norm=case.norm))
+
+    got, want = run(split), run(whole)
+    assert got.shape == want.shape
+    assert npr.rel_err(got, case.expected(q, k)) <= F32_RTOL, f"{case.id} {rand}"
+    assert npr.rel_err(got, want) <= 2e-6 * GPU_SLACK, f"{case.id} {rand}"
     if steps == "heads and rows":
-        assert call_shape(geom, tiling, bound - 1) is None
         with pytest.raises(ValueError, match="max_scratch_bytes"):
-            run(max_scratch_bytes=bound - 1)
+            plan(max_scratch_bytes=bound - 1)
+        fallback = plan_block_sums(geom, q.dtype, case.causal, interpret=True,
+                                   tiles=Tiles(case.tile, case.tile), max_scratch_bytes=bound - 1)
+        assert fallback.kernel == TWO_PASS and fallback.scratch_bytes == 0
+
+
+def _bf16_plan(geom: Geometry, fit_rows: int) -> Plan:
+    """The one-pass plan of `geom` (tiles 16 x 64) with a bound of `fit_rows` rows of one
+    head."""
+    tiles = Tiles(16, 64)
+    whole = plan_block_sums(geom, jnp.bfloat16, False, interpret=True, tiles=tiles)
+    return plan_block_sums(geom, jnp.bfloat16, False, interpret=True, tiles=tiles,
+                           max_scratch_bytes=whole.head_row_scratch_bytes * fit_rows)
 
 
 @pytest.mark.parametrize("fit_steps", [1, 2, 3, 5, 12, 13, 15])
@@ -206,18 +223,15 @@ def test_row_steps_are_as_few_and_as_small_as_possible(fit_steps):
     allow: the last call starts early enough to end on the last block, so every row a
     call holds beyond need is work done twice (a 64K-token call at block 4096 whose bound
     held 12 of 16 steps once ran 2 calls of 12, redoing 8 steps; now 2 calls of 8)."""
-    from xattn_jax.geometry import Geometry
-    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
-    from xattn_jax.triton.tiling import Tiling
-
-    geom, tiling = Geometry(1, 2, 2, 8192, 8192, 64, 8, 256), Tiling(16, 64)
-    step = math.lcm(tiling.rows, geom.block_rows)  # 32 rows; q_rows = 1024 = 32 steps
-    heads, call_rows = call_shape(geom, tiling,
-                                  head_row_scratch_bytes(geom, tiling) * step * fit_steps)
+    geom = Geometry(1, 2, 2, 8192, 8192, 64, 8, 256)
+    step = math.lcm(16, geom.block_rows)  # 32 rows; q_rows = 1024 = 32 steps
+    plan = _bf16_plan(geom, step * fit_steps)
+    heads, call_rows = plan.call_heads, plan.call_rows
     calls = -(-geom.q_rows // call_rows)
     assert heads == 1 and call_rows % step == 0 and call_rows <= step * fit_steps
     assert calls == -(-geom.q_rows // (step * fit_steps)), "more calls than needed"
     assert (call_rows - step) * calls < geom.q_rows, f"{calls} calls of {call_rows} rows"
+    assert plan.calls == geom.q_heads * calls
 
 
 @pytest.mark.parametrize("fit_heads, heads", [(1, 1), (2, 2), (10, 8), (11, 11), (31, 16),
@@ -226,14 +240,11 @@ def test_head_steps_cover_whole_heads_evenly(fit_heads, heads):
     """Where every row of some heads fits, a call covers every row of as many heads as the
     fewest calls need (32 heads, 10 fitting: 4 calls of 8, not 3 of 10 and one that
     repeats 8 heads)."""
-    from xattn_jax.geometry import Geometry
-    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes, padded_rows
-    from xattn_jax.triton.tiling import Tiling
-
-    geom, tiling = Geometry(1, 32, 8, 4096, 4096, 64, 8, 256), Tiling(16, 64)
-    rows = padded_rows(geom, tiling)
-    bound = head_row_scratch_bytes(geom, tiling) * rows * fit_heads
-    assert tuple(call_shape(geom, tiling, bound)) == (heads, rows)
+    geom = Geometry(1, 32, 8, 4096, 4096, 64, 8, 256)
+    rows = -(-geom.q_rows // 16) * 16
+    plan = _bf16_plan(geom, rows * fit_heads)
+    assert (plan.call_heads, plan.call_rows) == (heads, rows)
+    assert plan.calls == -(-32 // heads)
 
 
 @pytest.mark.parametrize("length, block_size, causal, one_step", [
@@ -245,21 +256,18 @@ def test_default_scratch_bound(length, block_size, causal, one_step):
     48 MiB beyond (the 128K causal call: its workspace target is 64 MiB)."""
     import jax
 
-    from xattn_jax.triton import block_sums as bs
-    from xattn_jax.triton.one_pass import CallShape, call_shape, padded_rows, scratch_bytes
-    from xattn_jax.triton.tiling import default_tiling
-
     shape = jax.ShapeDtypeStruct((1, 32, length, 128), jnp.bfloat16)
     geom = check_qk(shape, shape, stride=8, block_size=block_size, causal=causal)
-    tiling = default_tiling(geom, jnp.bfloat16, causal)
-    call = call_shape(geom, tiling, bs.scratch_bound(geom, tiling))
-    whole = scratch_bytes(geom, tiling, CallShape(geom.q_heads, padded_rows(geom, tiling)))
-    assert (whole <= bs.ONE_PASS_WHOLE_CALL_BYTES) == one_step, whole / 2**30
+    plan = plan_block_sums(geom, jnp.bfloat16, causal, interpret=False)
+    whole = plan.head_row_scratch_bytes * geom.q_heads * plan.padded_rows
+    assert plan.kernel == ONE_PASS
+    assert (whole <= ONE_PASS_WHOLE_CALL_BYTES) == one_step, whole / 2**30
     if one_step:
-        assert call == (geom.q_heads, padded_rows(geom, tiling))
+        assert (plan.call_heads, plan.call_rows) == (geom.q_heads, plan.padded_rows)
+        assert plan.scratch_bytes == whole and plan.calls == 1
     else:
-        assert scratch_bytes(geom, tiling, call) <= bs.ONE_PASS_STEP_BYTES
-        assert call.heads < geom.q_heads
+        assert plan.scratch_bytes <= ONE_PASS_STEP_BYTES
+        assert plan.call_heads < geom.q_heads
 
 
 PAD_CASES = [CASES[12], CASES[1]]  # c130 (-> 136), nc37x131 s4 (-> 40 x 132)
@@ -381,7 +389,7 @@ def shapes(draw):
 
 def test_random_shapes_against_float64(kernel_impl, rand_factory):
 
-    @settings(max_examples=4 if kernel_impl.pallas else 8, deadline=None, derandomize=False,
+    @settings(max_examples=4 if kernel_impl.is_kernel else 8, deadline=None, derandomize=False,
               suppress_health_check=[HealthCheck.too_slow])
     @given(shapes())
     def check(drawn):

@@ -16,47 +16,10 @@ import xattn_jax
 from xattn_jax import api
 
 import xattn_torch_bridge as bridge
+from bridge_inputs import CASES, jax_of, qk
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")
-
-# (B, Hq, Hkv, Lq, Lk, D), keyword arguments; test_bridge_reference.py uses them too
-CASES = {
-    "causal-gqa": ((1, 4, 2, 256, 256, 32), dict(block_size=32, stride=8, causal=True)),
-    "causal-chunk": ((2, 2, 2, 96, 224, 16), dict(block_size=64, stride=8, causal=True)),
-    "ragged-noncausal": ((1, 2, 1, 100, 200, 16),
-                         dict(block_size=16, stride=4, causal=False, keep_sink=True,
-                              keep_recent=True, threshold=0.8)),
-}
-
-
-def qk(rand, shape, dtype=torch.float32, device="cpu"):
-    """Random q `[B, Hq, Lq, D]` and k `[B, Hkv, Lk, D]` with standard deviation 2 (scores
-    of standard deviation 4 / sqrt(stride): peaked, not degenerate softmax rows)."""
-    b, hq, hkv, lq, lk, d = shape
-    q = torch.from_numpy(rand.rng.standard_normal((b, hq, lq, d)) * 2.0).to(dtype)
-    k = torch.from_numpy(rand.rng.standard_normal((b, hkv, lk, d)) * 2.0).to(dtype)
-    return q.to(device), k.to(device)
-
-
-def jax_of(t: torch.Tensor) -> jax.Array:
-    """An independent JAX copy of a torch tensor, through numpy, committed to the JAX
-    device of the tensor's device as the bridge's arrays are (so both calls compute in the
-    same place and share one compiled function: jit compiles committed and uncommitted
-    arguments separately)."""
-    values = t.cpu().float().numpy().astype(jnp.dtype(str(t.dtype).removeprefix("torch.")))
-    if t.device.type == "cpu":
-        return jax.device_put(values, jax.devices("cpu")[0])
-    return jax.device_put(values, next(d for d in jax.devices("cuda")
-                                       if d.local_hardware_id == t.device.index))
-
-
-def skip_pallas_off_cpu_backend():
-    """Pallas on CPU tensors means interpret mode, which xattn_jax picks only where JAX's
-    default backend is the CPU (the gpu tests run the kernels on CUDA tensors)."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("impl='pallas' on CPU tensors needs JAX's CPU backend")
-
 
 def assert_same(bridged, plain, rand):
     (sums, mask), (sums_j, mask_j) = bridged, plain
@@ -76,13 +39,13 @@ def test_matches_xattn_jax_reference(case, rand):
                                                   **kwargs), rand)
 
 
-def test_matches_xattn_jax_pallas_bf16(rand):
-    """Pallas kernels (interpret mode off a GPU) through the bridge, bfloat16 inputs."""
-    skip_pallas_off_cpu_backend()
+def test_matches_xattn_jax_triton_bf16(rand):
+    """The Triton-backend kernels (interpret mode on CPU tensors) through the bridge,
+    bfloat16 inputs."""
     shape, kwargs = CASES["causal-gqa"]
     q, k = qk(rand, shape, torch.bfloat16)
-    assert_same(bridge.xattn_estimate(q, k, impl="pallas", threshold=0.7, **kwargs),
-                xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="pallas", threshold=0.7,
+    assert_same(bridge.xattn_estimate(q, k, impl="triton", threshold=0.7, **kwargs),
+                xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="triton", threshold=0.7,
                                          **kwargs), rand)
 
 
@@ -142,8 +105,8 @@ def test_argument_errors_name_the_argument(rand):
 
 def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
     """CPU tensors where JAX's default backend is a GPU (simulated off a GPU) run on JAX's
-    CPU device: "auto" means the reference there, and "pallas" (which xattn_jax would
-    compile for the GPU) is refused."""
+    CPU device, and the implementation follows them there: "auto" means the reference,
+    "triton" interpret mode."""
     if jax.default_backend() == "cpu":
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     shape, kwargs = CASES["causal-gqa"]
@@ -152,8 +115,10 @@ def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
     assert sums.device.type == "cpu"
     assert_same((sums, mask), xattn_jax.xattn_estimate(jax_of(q), jax_of(k),
                                                        impl="reference", **kwargs), rand)
-    with pytest.raises(ValueError, match="impl='pallas' needs q and k on a CUDA device"):
-        bridge.xattn_estimate(q, k, impl="pallas", **kwargs)
+    monkeypatch.undo()
+    interpreted = xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="triton", **kwargs)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert_same(bridge.xattn_estimate(q, k, impl="triton", **kwargs), interpreted, rand)
 
 
 @pytest.mark.gpu

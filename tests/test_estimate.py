@@ -77,11 +77,11 @@ def test_estimate_against_float64(impl, case, rand):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_reference_and_pallas_agree(case, rand):
+def test_reference_and_triton_agree(case, rand):
     q, k = case.inputs(rand)
     t = rand.thresholds(case.q_heads, 0.5, 0.95)
     ref_sums, ref_mask = map(np.asarray, case.run(q, k, t, "reference"))
-    pal_sums, pal_mask = map(np.asarray, case.run(q, k, t, "pallas"))
+    pal_sums, pal_mask = map(np.asarray, case.run(q, k, t, "triton"))
     msg = f"{case.id} {rand}"
     err = npr.rel_err(pal_sums, ref_sums)
     assert err <= case.rtol, f"{msg}: block sums differ by {err:.3g}"
@@ -89,11 +89,11 @@ def test_reference_and_pallas_agree(case, rand):
                            rtol=_ambiguity_rtol(pal_sums, ref_sums), **case.rules)
 
 
-def test_auto_is_reference_on_cpu_and_pallas_on_gpu(rand):
+def test_auto_is_reference_on_cpu_and_triton_on_gpu(rand):
     case = CAUSAL
     q, k = case.inputs(rand)
     auto = case.run(q, k, 0.9, "auto")
-    explicit = case.run(q, k, 0.9, "pallas" if jax.default_backend() == "gpu" else "reference")
+    explicit = case.run(q, k, 0.9, "triton" if jax.default_backend() == "gpu" else "reference")
     for a, b in zip(auto, explicit):
         assert np.array_equal(np.asarray(a), np.asarray(b)), str(rand)
 
@@ -138,17 +138,19 @@ def test_max_scratch_bytes_changes_how_the_call_is_stepped_not_the_result(impl, 
     two-pass kernel) give the default's block sums and mask, with less workspace; the
     reference ignores the bound."""
     from xattn_jax.geometry import check_qk
-    from xattn_jax.triton.block_sums import passes_for
-    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
-    from xattn_jax.triton.tiling import default_tiling
+    from xattn_jax.triton.plan import TWO_PASS, plan_block_sums
 
     case = ApiCase("causal_steps_f32", 1, 2, 1, 1560, 1560, 16, 8, 32, True)
     q, k = case.inputs(rand)
     geom = check_qk(q, k, stride=case.stride, block_size=case.block_size, causal=True)
-    tiling = default_tiling(geom, q.dtype, causal=True)
-    one_step = head_row_scratch_bytes(geom, tiling) * math.lcm(tiling.rows, geom.block_rows)
-    assert call_shape(geom, tiling, one_step).rows < geom.q_rows, "not several steps"
-    assert passes_for(geom, tiling, one_step - 1) == 2
+
+    def plan(bound):
+        return plan_block_sums(geom, q.dtype, True, interpret=False, max_scratch_bytes=bound)
+
+    whole = plan(None)
+    one_step = whole.head_row_scratch_bytes * math.lcm(whole.block_q, geom.block_rows)
+    assert plan(one_step).call_rows < geom.q_rows, "not several steps"
+    assert plan(one_step - 1).kernel == TWO_PASS
     t = rand.thresholds(case.q_heads, 0.5, 0.95)
 
     def estimate(bound):
@@ -167,7 +169,7 @@ def test_max_scratch_bytes_changes_how_the_call_is_stepped_not_the_result(impl, 
         npr.assert_masks_agree(b_mask, mask, sums, t, msg=msg, near_ties=True,
                                rtol=_ambiguity_rtol(b_sums, sums), **case.rules)
     spaces = [workspace(bound) for bound in (None, one_step, one_step - 1)]
-    if impl.pallas:
+    if impl.is_kernel:
         assert spaces[0] > max(spaces[1:]), f"the bound did not reach the kernel: {spaces}"
     else:
         assert spaces[0] == spaces[1] == spaces[2], spaces
@@ -315,7 +317,7 @@ def test_inf_key_token_implementations_agree(rand):
     q, k = case.inputs(rand)
     k_inf = k.at[0, 0, 120, 2].set(jnp.inf)
     ref_sums, ref_mask = map(np.asarray, case.run(q, k_inf, 0.9, "reference"))
-    pal_sums, pal_mask = map(np.asarray, case.run(q, k_inf, 0.9, "pallas"))
+    pal_sums, pal_mask = map(np.asarray, case.run(q, k_inf, 0.9, "triton"))
     ref_bad = ~np.isfinite(ref_sums).all(-1)
     assert np.array_equal(ref_bad, ~np.isfinite(pal_sums).all(-1)), str(rand)
     assert ref_bad.any() and np.all(ref_mask[ref_bad]) and np.all(pal_mask[ref_bad])
@@ -333,12 +335,12 @@ def _require_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_gpu_pallas_is_deterministic(case, rand):
+def test_gpu_triton_is_deterministic(case, rand):
     _require_gpu()
     q, k = case.inputs(rand)
     t = rand.thresholds(case.q_heads)
-    first = [np.asarray(x) for x in case.run(q, k, t, "pallas")]
-    second = [np.asarray(x) for x in case.run(q, k, t, "pallas")]
+    first = [np.asarray(x) for x in case.run(q, k, t, "triton")]
+    second = [np.asarray(x) for x in case.run(q, k, t, "triton")]
     for a, b in zip(first, second):
         assert a.tobytes() == b.tobytes(), f"{case.id} {rand}: two runs differ"
 
@@ -356,7 +358,7 @@ def test_gpu_output_fully_written_over_nan_memory(causal, rand):
     poison.block_until_ready()
     poison.delete()
     del poison
-    sums, mask = case.run(q, k, 0.9, "pallas")
+    sums, mask = case.run(q, k, 0.9, "triton")
     sums = np.asarray(sums)
     assert np.all(np.isfinite(sums)), f"{rand}: unwritten (NaN) block sums"
     want = npr.real_rows_per_block(case.q_len, case.stride, case.block_size)

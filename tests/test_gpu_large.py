@@ -32,7 +32,7 @@ def test_128k_causal_memory_beyond_inputs_and_outputs():
     q = jax.ShapeDtypeStruct((1, 32, 131072, 128), jnp.bfloat16)
 
     def call(q, k):
-        return xattn_estimate(q, k, block_size=128, stride=8, causal=True, impl="pallas")
+        return xattn_estimate(q, k, block_size=128, stride=8, causal=True, impl="triton")
 
     stats = jax.jit(call).lower(q, q).compile().memory_analysis()
     blocks = 131072 // 128
@@ -47,11 +47,11 @@ def test_one_million_tokens_causal():
     and the last query block equals a separate call on the last 128 queries only."""
     length, block = 1 << 20, 128
     q, k = _qk(1, 1, length, seed=np.random.default_rng().integers(2**31))
-    sums, mask = xattn_estimate(q, k, block_size=block, stride=8, causal=True, impl="pallas")
+    sums, mask = xattn_estimate(q, k, block_size=block, stride=8, causal=True, impl="triton")
     rows = np.asarray(sums[0, 0].sum(axis=-1))
     np.testing.assert_allclose(rows, block // 8, rtol=1e-4)
     tail_sums, tail_mask = xattn_estimate(q[:, :, -block:], k, block_size=block, stride=8,
-                                          causal=True, impl="pallas")
+                                          causal=True, impl="triton")
     np.testing.assert_allclose(np.asarray(tail_sums[0, 0, 0]), np.asarray(sums[0, 0, -1]),
                                rtol=1e-5, atol=1e-9)
     assert bool(jnp.all(tail_mask[0, 0, 0] == mask[0, 0, -1]))

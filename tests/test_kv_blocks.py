@@ -1,7 +1,7 @@
 """Section 5: KV-block scores of a chunk and their selection, both implementations.
 
 The pure-torch reference (xattn_torch_bridge.reference, float64) is the independent
-check; "interpret" runs the Pallas kernel in interpret mode on CPU, "gpu" compiled.
+check; "triton" runs the Pallas kernels in interpret mode on CPU, compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from xattn_jax import kv_blocks
+from xattn_jax import kv_blocks, reference
+from xattn_jax.geometry import check_qk
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
+from xattn_jax.triton.block_sums import block_sums
+from xattn_jax.triton.plan import BLOCK_SUM_KERNELS, ONE_PASS, Tiles, plan_block_sums
 from xattn_torch_bridge import reference as torch_ref
 
 ON_GPU = jax.default_backend() == "gpu"
-IMPLS = [pytest.param("reference", id="reference"),
-         pytest.param("pallas", id="pallas-gpu", marks=pytest.mark.gpu) if ON_GPU
-         else pytest.param("pallas", id="pallas-interpret")]
+IMPLS = ["reference", pytest.param("triton", marks=pytest.mark.gpu) if ON_GPU else "triton"]
 RTOL = 5e-5 if ON_GPU else 1e-5
 
 
@@ -196,23 +197,19 @@ def test_paged_errors(pages, table, match, seed):
                         kv_block_size=128, estimate_block_size=64)
 
 
-@pytest.mark.parametrize("passes", [1, 2], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("kernel", BLOCK_SUM_KERNELS)
 @pytest.mark.parametrize("paged", [False, True], ids=["buffer", "paged"])
-def test_both_kernels_read_key_len_and_pages(passes, paged, seed):
+def test_both_kernels_read_key_len_and_pages(kernel, paged, seed):
     """Each block-sum kernel, on a buffer padded past k_len (NaN there) or on a shuffled
     page pool read through a block table (whose entries past k_len's pages lie outside
     the pool), equals the reference on the k_len real keys."""
-    from xattn_jax import reference
-    from xattn_jax.geometry import check_qk
-    from xattn_jax.triton.block_sums import block_sums
-
     rng, q, k = _chunk(seed, q_len=96, capacity=512)
     k_len = 333
     k = k.at[:, :, k_len:].set(jnp.nan)
     geom = check_qk(q, k, stride=8, block_size=64, causal=False)
     want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
-    args = dict(geom=geom, causal=False, norm=1.0, key_len=jnp.full((1,), k_len, jnp.int32),
-                passes=passes, interpret=not ON_GPU)
+    plan = plan_block_sums(geom, q.dtype, False, interpret=not ON_GPU, kernel=kernel)
+    args = dict(plan=plan, causal=False, norm=1.0, key_len=jnp.full((1,), k_len, jnp.int32))
     if paged:
         page_size = 64
         table = rng.permutation(12)[:512 // page_size]
@@ -233,22 +230,18 @@ def test_key_len_over_several_row_steps(k_len, seed):
     """The one-pass kernel with unmasked keys (the key tiles end within the buffer)
     covering the query rows in several calls, with NaN past k_len: the partly filled
     last stride group, scored outside the kernel, joins every call's rows."""
-    from xattn_jax import reference
-    from xattn_jax.geometry import check_qk
-    from xattn_jax.triton.block_sums import block_sums
-    from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
-    from xattn_jax.triton.row_tile import keys_fit
-    from xattn_jax.triton.tiling import Tiling
-
     _, q, k = _chunk(seed, q_len=512, capacity=512)
     k = k.at[:, :, k_len:].set(jnp.nan)
     geom = check_qk(q, k, stride=8, block_size=64, causal=False)
-    tiling = Tiling(16, 16)
-    bound = head_row_scratch_bytes(geom, tiling) * 16
-    assert keys_fit(geom, tiling) and call_shape(geom, tiling, bound) == (1, 16)
+
+    def plan(**bound):
+        return plan_block_sums(geom, q.dtype, False, interpret=not ON_GPU,
+                               tiles=Tiles(16, 16), kernel=ONE_PASS, **bound)
+
+    stepped = plan(max_scratch_bytes=plan().head_row_scratch_bytes * 16)
+    assert stepped.keys_fit and (stepped.call_heads, stepped.call_rows) == (1, 16)
     want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
-    got = block_sums(q, k, geom=geom, causal=False, norm=1.0, passes=1, tiling=tiling,
-                     key_len=jnp.full((1,), k_len, jnp.int32), max_scratch_bytes=bound,
-                     interpret=not ON_GPU)
+    got = block_sums(q, k, plan=stepped, causal=False, norm=1.0,
+                     key_len=jnp.full((1,), k_len, jnp.int32))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL,
                                atol=RTOL * float(want.max()), err_msg=f"seed={seed}")

@@ -48,7 +48,7 @@ def test_random_sums(impl, reference_impl, config, rand):
     msg = f"{impl} {config[0]} {rand}"
     assert npr.check_mask_rules(mask, sums, t, msg=msg, **rules) == np.prod(shape[:3])
     npr.assert_masks_agree(mask, npr.select(sums, t, **rules), sums, t, msg=msg, **rules)
-    if impl.pallas:
+    if impl.is_kernel:
         ref = reference_impl.select(sums, t, **rules)
         npr.assert_masks_agree(mask, ref, sums, t, msg=msg + " vs reference", **rules)
 
@@ -72,7 +72,7 @@ def test_real_block_sums(impl, reference_impl, real, rand):
     msg = f"{impl} {name} {rand}"
     npr.check_mask_rules(mask, sums, t, msg=msg, **rules)
     npr.assert_masks_agree(mask, npr.select(sums, t, **rules), sums, t, msg=msg, **rules)
-    if impl.pallas:
+    if impl.is_kernel:
         ref = reference_impl.select(sums, t, **rules)
         npr.assert_masks_agree(mask, ref, sums, t, msg=msg + " vs reference", **rules)
     # a real estimate is sparse somewhere: not every allowed block is kept everywhere

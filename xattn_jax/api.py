@@ -1,10 +1,6 @@
-"""Public entry points. Each checks its arguments and picks an implementation.
-
-`impl`: "reference" is the plain-JAX reference (`xattn_jax.reference`); "pallas" runs the
-Pallas kernels (`xattn_jax.triton`), compiled through Triton on a GPU and in Pallas
-interpret mode elsewhere (slow: for tests); "auto" is Pallas on a GPU, the reference
-elsewhere.
-"""
+"""Public entry points of the estimate (sections 1-4). Each checks its arguments and
+runs the implementation `impl` names (`xattn_jax.impls`: "auto", "reference", "triton"
+or "mosaic")."""
 
 from __future__ import annotations
 
@@ -12,24 +8,10 @@ import functools
 
 import jax
 
-from xattn_jax import reference
-from xattn_jax.geometry import (Geometry, check_impl, check_norm, check_qk, check_scratch_bytes,
+from xattn_jax import impls
+from xattn_jax.geometry import (Geometry, check_norm, check_qk, check_scratch_bytes,
                                 threshold_per_head)
-from xattn_jax.triton import block_sums as pallas_block_sums
-from xattn_jax.triton import select_blocks as pallas_select
-from xattn_jax.triton import strided_scores as pallas_scores
-
-PALLAS_MAX_KEY_BLOCKS = 16384  # wider rows select with the reference (XLA sort)
-
-_reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
-
-
-def resolve_backend(impl: str) -> str:
-    """Resolves `impl` to "reference", "pallas" or "interpret" for the current backend."""
-    on_gpu = jax.default_backend() == "gpu"
-    if check_impl(impl) == "reference" or (impl == "auto" and not on_gpu):
-        return "reference"
-    return "pallas" if on_gpu else "interpret"
+from xattn_jax.impls import Implementation
 
 
 def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float = 1.0,
@@ -41,12 +23,7 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
     O((L/stride)^2) matrix; `xattn_estimate` never does.
     """
     geom = check_qk(q, k, stride=stride, block_size=stride, causal=False)
-    norm = check_norm(norm)
-    backend = resolve_backend(impl)
-    if backend == "reference":
-        return _reference_scores(q, k, geom, norm)
-    return pallas_scores.strided_scores(q, k, geom=geom, norm=norm,
-                                        interpret=backend == "interpret")
+    return impls.resolve(impl, q, k).strided_scores(q, k, geom=geom, norm=check_norm(norm))
 
 
 def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
@@ -65,29 +42,25 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
     t = threshold_per_head(threshold, block_sums.shape[1])
     return _select(block_sums.astype("float32"), t, causal=bool(causal),
                    keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
-                   backend=resolve_backend(impl))
+                   impl=impls.resolve(impl, block_sums))
 
 
-def _select(sums, threshold, *, causal, keep_sink, keep_recent, backend):
-    rules = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
-    if backend == "reference" or sums.shape[-1] > PALLAS_MAX_KEY_BLOCKS:
-        return reference.select_blocks(sums, threshold, **rules)
-    return pallas_select.select_blocks(sums, threshold, interpret=backend == "interpret",
-                                       **rules)
+@functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent", "impl"))
+def _select(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool,
+            impl: Implementation):
+    return impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
+                              keep_recent=keep_recent)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "keep_sink",
-                                             "keep_recent", "backend", "max_scratch_bytes"))
+                                             "keep_recent", "impl", "max_scratch_bytes"))
 def _estimate(q, k, threshold, *, geom: Geometry, causal: bool, norm: float,
-              keep_sink: bool, keep_recent: bool, backend: str, max_scratch_bytes: int | None):
-    if backend == "reference":
-        sums = reference.block_sums(q, k, geom, causal=causal, norm=norm)
-    else:
-        sums = pallas_block_sums.block_sums(q, k, geom=geom, causal=causal, norm=norm,
-                                            max_scratch_bytes=max_scratch_bytes,
-                                            interpret=backend == "interpret")
-    mask = _select(sums, threshold, causal=causal, keep_sink=keep_sink,
-                   keep_recent=keep_recent, backend=backend)
+              keep_sink: bool, keep_recent: bool, impl: Implementation,
+              max_scratch_bytes: int | None):
+    sums = impl.block_sums(q, k, geom=geom, causal=causal, norm=norm,
+                           max_scratch_bytes=max_scratch_bytes)
+    mask = impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
+                              keep_recent=keep_recent)
     return sums, mask
 
 
@@ -110,10 +83,10 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       norm: extra divisor of the scores (a softmax temperature).
       keep_sink / keep_recent: also always keep key block 0 / the diagonal block (these
         are always kept in causal mode).
-      impl: "auto", "pallas" or "reference" (see the module docstring).
+      impl: "auto", "reference", "triton" or "mosaic" (`xattn_jax.impls`).
       max_scratch_bytes: bound on the Pallas kernel's scratch, in bytes. None: the whole
         scratch where it fits in 1.5 GiB (0.6 GiB at 64K tokens, 32 heads, block 128),
-        else steps within 48 MiB (`pallas.block_sums.scratch_bound`): kernel calls over
+        else steps within 48 MiB (`triton.plan.plan_block_sums`): kernel calls over
         as many whole heads as fit, or over one head's rows in steps. A lower bound takes
         more steps (measured up to 17% slower at 64K); one below a single row step of one
         head runs the two-pass kernel (no scratch, each score computed twice). The
@@ -135,5 +108,5 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     t = threshold_per_head(threshold, geom.q_heads)
     return _estimate(q, k, t, geom=geom, causal=bool(causal), norm=check_norm(norm),
                      keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
-                     backend=resolve_backend(impl),
+                     impl=impls.resolve(impl, q, k),
                      max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))

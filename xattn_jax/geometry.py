@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-IMPLS = ("auto", "pallas", "reference")
 
 
 def next_pow2(n: int) -> int:
@@ -134,12 +133,6 @@ def check_scratch_bytes(max_scratch_bytes) -> int | None:
         raise ValueError(f"max_scratch_bytes must be None or a positive int of bytes, got "
                          f"{max_scratch_bytes!r}")
     return None if max_scratch_bytes is None else int(max_scratch_bytes)
-
-
-def check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return impl
 
 
 def threshold_per_head(threshold, q_heads: int) -> jax.Array:

@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xattn_jax import reference
-from xattn_jax.api import resolve_backend
+from xattn_jax import impls, reference
 from xattn_jax.geometry import Geometry, check_norm, check_qk
-from xattn_jax.triton import block_sums as pallas_block_sums
+from xattn_jax.impls import Implementation
 
 RULES = ("score", "vote")
 
@@ -56,16 +55,6 @@ def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], groups, size, *x.shape[axis + 1:]).sum(axis=axis + 1)
 
 
-def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
-    """A paged cache `[num_pages, page_size, Hkv, D]` read through `block_table`
-    (int32 `[B, pages_per_seq]`) as contiguous keys `[B, Hkv, pages_per_seq * page_size, D]`
-    (a copy: for the reference and for tests)."""
-    b, per_seq = block_table.shape
-    keys = pages[block_table]  # [B, pages_per_seq, page_size, Hkv, D]
-    keys = keys.reshape(b, per_seq * pages.shape[1], *pages.shape[2:])
-    return keys.transpose(0, 2, 1, 3)
-
-
 def _paged_view(q, pages, block_table) -> jax.ShapeDtypeStruct:
     """Checks a paged cache and its block table; returns the contiguous keys' shape."""
     if getattr(pages, "ndim", None) != 4:
@@ -85,17 +74,11 @@ def _paged_view(q, pages, block_table) -> jax.ShapeDtypeStruct:
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "norm", "per_kv_block",
-                                             "per_query_block", "backend"))
+                                             "per_query_block", "impl"))
 def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_kv_block: int,
-               per_query_block: bool, backend: str):
-    if backend == "reference":
-        keys = k if block_table is None else gather_pages(k, block_table)
-        sums = reference.block_sums(q, keys, geom, causal=False, norm=norm, key_len=key_len)
-    else:
-        sums = pallas_block_sums.block_sums(q, k, geom=geom, causal=False, norm=norm,
-                                            key_len=key_len.reshape(1),
-                                            block_table=block_table,
-                                            interpret=backend == "interpret")
+               per_query_block: bool, impl: Implementation):
+    sums = impl.block_sums(q, k, geom=geom, causal=False, norm=norm, key_len=key_len,
+                           block_table=block_table)
     rows = _sum_groups(sums, 2, per_kv_block) if per_query_block else sums.sum(axis=2)
     return _sum_groups(rows, rows.ndim - 1, per_kv_block)
 
@@ -127,7 +110,8 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     return _kv_scores(q, k, _key_len(k_len, geom.k_len), table, geom=geom,
                       norm=check_norm(norm),
                       per_kv_block=kv_block_size // estimate_block_size,
-                      per_query_block=bool(per_query_block), backend=resolve_backend(impl))
+                      per_query_block=bool(per_query_block),
+                      impl=impls.resolve(impl, q, k))
 
 
 def _valid_counts(num_valid, batch: int, blocks: int):
@@ -182,7 +166,7 @@ def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first:
 
 def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: bool = True,
                      keep_last: bool = True, per_kv_head: bool = False, kv_heads=None,
-                     num_valid=None, rule: str = "score") -> jax.Array:
+                     num_valid=None, rule: str = "score", impl: str = "auto") -> jax.Array:
     """KV-cache blocks to load for a chunk: bool `[B, n]`, or `[B, Hkv, n]` per KV head.
 
     scores: `[B, Hq, n]` from `kv_block_scores` (rule "score"), or per query block
@@ -200,7 +184,10 @@ def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: 
     keep_first / keep_last then add block 0 (attention sink) and the last valid block
     (most recent context); they do not count towards the threshold. A group or row whose
     mass is not finite or not positive keeps every valid block.
+    impl: checked like every function's (`xattn_jax.impls`); the selection is plain JAX,
+    the same for every implementation (it is small: no kernel gains).
     """
+    impls.resolve(impl, scores)
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     want = 3 if rule == "score" else 4

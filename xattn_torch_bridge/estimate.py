@@ -10,7 +10,6 @@ before later work on torch's current stream.
 
 from __future__ import annotations
 
-import jax
 import torch
 import xattn_jax
 
@@ -19,19 +18,6 @@ from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computat
 
 def _detached(x):
     return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
-
-
-def _impl_for_cpu(impl: str) -> str:
-    """CPU tensors run on JAX's CPU device. Where JAX's default backend is a GPU, xattn_jax
-    would compile its Pallas kernels for the GPU, so "auto" means the reference there."""
-    if jax.default_backend() == "cpu":
-        return impl
-    if impl == "pallas":
-        raise ValueError(
-            "impl='pallas' needs q and k on a CUDA device when JAX's default backend is "
-            f"{jax.default_backend()!r}: move them to CUDA, or use impl='auto' or "
-            "'reference' for CPU tensors")
-    return "reference" if impl == "auto" else impl
 
 
 def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
@@ -50,8 +36,8 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
         True copies both into fresh contiguous tensors first.
       threshold: may also be a torch tensor of `Hq` values, read to the host (as
         `xattn_jax` reads every threshold, to check it).
-      impl: for CPU tensors where JAX's default backend is a GPU, "auto" runs the
-        reference and "pallas" is refused.
+      impl: resolved for the device q and k live on (`xattn_jax.impls`): for CPU
+        tensors "auto" is the reference and "triton" runs in interpret mode.
 
     Returns:
       `(block_sums, mask)`: float32 and bool torch tensors `[B, Hq, ceil(Lq/block_size),
@@ -63,7 +49,5 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
         raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
     if isinstance(kwargs.get("threshold"), torch.Tensor):
         kwargs["threshold"] = kwargs["threshold"].tolist()
-    if place.index is None:
-        kwargs["impl"] = _impl_for_cpu(kwargs.get("impl", "auto"))
     sums, mask = xattn_jax.xattn_estimate(*views_for_one_computation(place, q, k), **kwargs)
     return to_torch(sums), to_torch(mask)

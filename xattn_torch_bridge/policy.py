@@ -29,7 +29,6 @@ import xattn_jax
 from xattn_jax.kv_blocks import RULES
 
 from xattn_torch_bridge.dlpack import place_of, views_for_one_computation
-from xattn_torch_bridge.estimate import _impl_for_cpu
 from xattn_torch_bridge.kv_cache import PagedKVCache
 
 
@@ -46,8 +45,8 @@ class XAttentionPolicy:
       keep_first / keep_last: always select the first block (attention sink) and the last
         block (most recent context).
       per_kv_head: select per KV head and return the union (a block is loaded whole).
-      norm, impl: as in `xattn_jax.kv_block_scores`; for a CPU cache where JAX's default
-        backend is a GPU, "auto" runs the reference.
+      norm, impl: as in `xattn_jax.kv_block_scores` (impl resolved for the device the
+        cache lives on: `xattn_jax.impls`).
     """
 
     def __init__(self, threshold: float = 0.95, stride: int = 8,
@@ -99,13 +98,12 @@ class XAttentionPolicy:
             torch.cuda.current_stream(cache.device).wait_event(ready)
         keys, _ = place_of(cache.keys, "cache.keys", False)
         table, _ = place_of(table, "block table", False)
-        impl = self.impl if place.index is not None else _impl_for_cpu(self.impl)
         q_view, keys_view, table_view = views_for_one_computation(place, q, keys, table)
         scores = xattn_jax.kv_block_scores(
             q_view, keys_view, block_table=table_view, k_len=k_len,
             kv_block_size=cache.block_size, estimate_block_size=self.estimate_block_size,
             stride=self.stride, norm=self.norm, per_query_block=self.rule == "vote",
-            impl=impl)
+            impl=self.impl)
         mask = xattn_jax.select_kv_blocks(
             scores, threshold=self.threshold, keep_first=self.keep_first,
             keep_last=self.keep_last, per_kv_head=self.per_kv_head, kv_heads=cache.kv_heads,

@@ -16,8 +16,8 @@ import time
 import jax
 import numpy as np
 
-from xattn_jax.api import resolve_backend, xattn_estimate
-from xattn_jax.geometry import IMPLS
+from xattn_jax import impls
+from xattn_jax.api import xattn_estimate
 from xattn_jax.demo.recall import Coverage, coverage
 from xattn_jax.demo.synthetic import structured_qk
 
@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="block size in tokens, a multiple of the stride")
     p.add_argument("--threshold", type=float, default=0.9,
                    help="share of each row's estimated mass to keep, in (0, 1]")
-    p.add_argument("--impl", choices=IMPLS, default="auto", help="estimate implementation")
+    p.add_argument("--impl", choices=impls.IMPLS, default="auto", help="estimate implementation")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic example")
     p.add_argument("--head", type=int, default=0, help="which head to plot")
     p.add_argument("--repeats", type=_positive_int, default=5,
@@ -102,7 +102,7 @@ def _report(args, q, first: float, steady: float, cov: Coverage, seconds: dict) 
     return "\n".join([
         "xattn-jax demo: the XAttention estimate on a synthetic long-context example",
         f"  q, k       {q.dtype} {list(q.shape)} (batch, heads, tokens, head_dim), "
-        f"backend {jax.default_backend()}, impl {args.impl} ({resolve_backend(args.impl)})",
+        f"backend {jax.default_backend()}, impl {args.impl} ({impls.resolve(args.impl).name})",
         f"  settings   stride {args.stride}, block_size {args.block_size}, "
         f"threshold {args.threshold}, causal; {kb} x {kb} blocks per head",
         f"  estimate   {first * 1e3:.1f} ms first call (with compile), "

@@ -1,12 +1,13 @@
 """The plain-JAX reference: the source of truth every kernel is tested against.
 
 `estimate`: sections 1-4 of docs/estimate.md (strided scores, softmax block sums, the
-threshold selection).
+threshold selection); `paged`: a paged KV cache read as contiguous keys.
 """
 
 from xattn_jax.reference.estimate import (block_sums, forced_and_allowed, select_blocks,
                                           softmax_block_sums, strided_scores, take_descending,
                                           visible)
+from xattn_jax.reference.paged import gather_pages
 
-__all__ = ["block_sums", "forced_and_allowed", "select_blocks", "softmax_block_sums",
-           "strided_scores", "take_descending", "visible"]
+__all__ = ["block_sums", "forced_and_allowed", "gather_pages", "select_blocks",
+           "softmax_block_sums", "strided_scores", "take_descending", "visible"]

@@ -22,14 +22,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry, next_pow2
+from xattn_jax.triton.plan import Plan
 
 LOG2_E = 1.4426950408889634
 COL_AXIS, ROW_AXIS, BATCH_AXIS, HEAD_AXIS = range(4)
 
-def kernel_grid(geom: Geometry, row_tiles: int, col_groups: int = 1,
+def kernel_grid(plan: Plan, row_tiles: int, col_groups: int = 1,
                 heads: int | None = None) -> tuple[int, ...]:
     """The grid of a call covering `heads` query heads (default all)."""
-    return (col_groups, row_tiles, geom.batch, heads or geom.q_heads)
+    return (col_groups, row_tiles, plan.geom.batch, heads or plan.geom.q_heads)
 
 
 def head_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -122,18 +123,11 @@ def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
                  mask)
 
 
-def head_parts(geom: Geometry, depth: int) -> int:
-    """Pieces of `depth` head-dim columns (`Tiling.step_depth`) a stride member's product
-    is computed in."""
-    return next_pow2(geom.head_dim) // depth
+def step_product(load_queries, load_keys, row0, col0, step, *, plan: Plan) -> jax.Array:
+    """One pipeline step's share of the strided product: float32 `[block_q, block_k]`.
 
-
-def step_product(load_queries, load_keys, row0, col0, step, *, rows: int, cols: int,
-                 geom: Geometry, depth: int) -> jax.Array:
-    """One pipeline step's share of the strided product: float32 `[rows, cols]`.
-
-    A score tile is the sum of S * head_parts steps: step t is stride member
-    t // head_parts over head-dim part t % head_parts (`depth` columns, a power of two
+    A score tile is the sum of S * plan.head_parts steps: step t is stride member
+    t // head_parts over head-dim part t % head_parts (block_d columns, a power of two
     dividing the padded head dim).
     Reshaped row i holds query tokens i*S + S-1, ..., i*S (its group read in reverse) and
     column j key tokens j*S, ..., j*S + S-1, so member m pairs query token i*S + S-1-m
@@ -141,27 +135,26 @@ def step_product(load_queries, load_keys, row0, col0, step, *, rows: int, cols: 
     one (batch, query head)'s query token rows and its key head's key token rows
     (`load_tokens` or `load_paged_tokens`, bound by the real token counts or unmasked).
     """
-    s, parts = geom.stride, head_parts(geom, depth)
+    s, parts, depth = plan.geom.stride, plan.head_parts, plan.block_d
     # lax.div/rem: step >= 0, and jnp's floor division lowers to i1 selects on GPU
     member, part = jax.lax.div(step, parts), jax.lax.rem(step, parts)
-    q_part = load_queries((row0 + jnp.arange(rows)) * s + (s - 1 - member), part=part,
-                          depth=depth)
-    k_part = load_keys((col0 + jnp.arange(cols)) * s + member, part=part, depth=depth)
+    q_part = load_queries((row0 + jnp.arange(plan.block_q)) * s + (s - 1 - member),
+                          part=part, depth=depth)
+    k_part = load_keys((col0 + jnp.arange(plan.block_k)) * s + member, part=part,
+                       depth=depth)
     precision = (jax.lax.Precision.HIGHEST if q_part.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     return plgpu.dot(q_part, k_part, trans_b=True, precision=precision)
 
 
-def score_tile(load_queries, load_keys, row0, col0, *, rows: int, cols: int, geom: Geometry,
-               scale: float, depth: int) -> jax.Array:
-    """Scores for reshaped rows [row0, row0+rows) and columns [col0, col0+cols): float32
-    `[rows, cols]`, the sum of the step products times `scale` (A is scale =
-    1 / (sqrt(D) * S * norm)). Arguments as `step_product`.
+def score_tile(load_queries, load_keys, row0, col0, *, plan: Plan, scale: float) -> jax.Array:
+    """Scores for reshaped rows [row0, row0 + block_q) and columns [col0, col0 + block_k):
+    float32 `[block_q, block_k]`, the sum of the step products times `scale` (A is
+    scale = 1 / (sqrt(D) * S * norm)). Arguments as `step_product`.
     """
     def add_step(step, acc):
-        return acc + step_product(load_queries, load_keys, row0, col0, step, rows=rows,
-                                  cols=cols, geom=geom, depth=depth)
+        return acc + step_product(load_queries, load_keys, row0, col0, step, plan=plan)
 
-    acc = jax.lax.fori_loop(0, geom.stride * head_parts(geom, depth), add_step,
-                            jnp.zeros((rows, cols), jnp.float32))
+    acc = jax.lax.fori_loop(0, plan.geom.stride * plan.head_parts, add_step,
+                            jnp.zeros((plan.block_q, plan.block_k), jnp.float32))
     return acc * jnp.float32(scale)

@@ -9,15 +9,15 @@ per reshaped query row and key tile t (score tile from `RowTile`):
 - s[t, r] = sum_u x[t, r, u], stored where a tile has several units, so that the
   epilogue reads the large x once, not twice (tuning.md note 18),
 
-where a unit is `unit = gcd(block_rows, cols)` columns (a block is a whole number of
-units). Every key tile is independent, so programs can split a row's keys among them
-(`Tiling.key_span` tiles each) and a short chunk of queries still fills the GPU. The
+where a unit is `Plan.unit` = gcd(block_rows, block_k) columns (a block is a whole
+number of units). Every key tile is independent, so programs can split a row's keys among
+them (`Plan.span` tiles each) and a short chunk of queries still fills the GPU. The
 epilogue (plain JAX, fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) s,
 and p[t, r, u] = x * 2^(m - M) / L: exactly the softmax mass of each row in each unit,
 then sums rows and units into blocks. Each score is computed once, at the price of a
-scratch of 1 + cols / unit floats (one more with several units) per row, head and key
-tile (`head_row_scratch_bytes`); calls whose scratch would exceed a bound walk the heads,
-and if need be the rows of each head, in steps (`call_shape`).
+scratch of 1 + block_k / unit floats (one more with several units) per row, head and
+key tile; calls whose scratch would exceed a bound walk the heads, and if need be the
+rows of each head, in steps (`Plan.call_heads`, `Plan.call_rows`: `plan.py` sizes them).
 Where keys are read unmasked and their count is data, the column of a partly filled last
 stride group is scored outside the kernel and merged into these statistics
 (`_split_last_group`).
@@ -26,102 +26,23 @@ stride group is scored outside the kernel and merged into these statistics
 from __future__ import annotations
 
 import functools
-import math
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xattn_jax import reference
 from xattn_jax.geometry import Geometry
 from xattn_jax.triton.common import COL_AXIS, LOG2_E, ROW_AXIS, head_spec, kernel_grid
-from xattn_jax.triton.row_tile import RowTile, key_operands, keys_fit, row_tile_refs
-from xattn_jax.triton.tiling import Tiling
+from xattn_jax.triton.plan import Plan
+from xattn_jax.triton.row_tile import RowTile, key_operands, row_tile_refs
 
-def _unit(geom: Geometry, tiling: Tiling) -> int:
-    return math.gcd(geom.block_rows, tiling.cols)
-
-
-def _key_groups(geom: Geometry, tiling: Tiling) -> int:
-    return pl.cdiv(tiling.key_tiles(geom), tiling.key_span(geom))
-
-
-def _stored_key_tiles(geom: Geometry, tiling: Tiling) -> int:
-    """Key tiles the scratch holds: the real ones padded to whole program spans."""
-    return _key_groups(geom, tiling) * tiling.key_span(geom)
-
-
-def _units(geom: Geometry, tiling: Tiling) -> int:
-    """Units per key tile: x's last axis."""
-    return tiling.cols // _unit(geom, tiling)
-
-
-def head_row_scratch_bytes(geom: Geometry, tiling: Tiling) -> int:
-    """Scratch bytes per reshaped query row and query head (m, x and s for every key tile,
-    for every batch element)."""
-    units = _units(geom, tiling)
-    per_tile = 1 + units + (units > 1)
-    return (geom.batch * _stored_key_tiles(geom, tiling) * per_tile
-            * jnp.dtype(jnp.float32).itemsize)
-
-
-def padded_rows(geom: Geometry, tiling: Tiling) -> int:
-    """The reshaped query rows a call covering all of them holds: whole row tiles."""
-    return pl.cdiv(geom.q_rows, tiling.rows) * tiling.rows
-
-
-class CallShape(NamedTuple):
-    """The query heads and reshaped query rows one kernel call covers."""
-
-    heads: int
-    rows: int
-
-
-def scratch_bytes(geom: Geometry, tiling: Tiling, call: CallShape) -> int:
-    """Scratch bytes of one kernel call of that shape."""
-    return head_row_scratch_bytes(geom, tiling) * call.heads * call.rows
-
-
-def _even_steps(total: int, fit: int, quantum: int) -> int | None:
-    """The size of the steps that cover `total` (heads, or rows): a multiple of
-    `quantum`, the smallest that needs no more steps than the largest within `fit` (the
-    last step overlaps the one before it: whatever it repeats is work done twice). None
-    if not even one quantum fits."""
-    if fit < quantum:
-        return None
-    steps = pl.cdiv(total, fit // quantum * quantum)
-    return pl.cdiv(pl.cdiv(total, steps), quantum) * quantum
-
-
-def call_shape(geom: Geometry, tiling: Tiling, max_scratch_bytes: int) -> CallShape | None:
-    """The heads and rows one kernel call covers so that its scratch stays within
-    `max_scratch_bytes`; calls then run one after another and reuse the scratch.
-
-    Every row of as many heads as fit (all heads if they do: one call); else one head,
-    its rows in steps that are multiples of both the tile's rows and block_rows. A call's
-    programs then share one head's keys, which stay in L2; steps over all heads with a
-    few rows each read every head's keys again in every step, and measured 2-10% slower
-    (tuning.md, note 24). None if not even one row step of one head fits.
-    """
-    all_rows = padded_rows(geom, tiling)
-    head_rows = max_scratch_bytes // head_row_scratch_bytes(geom, tiling)  # that fit
-    if head_rows >= all_rows:
-        return CallShape(_even_steps(geom.q_heads, head_rows // all_rows, 1), all_rows)
-    rows = _even_steps(geom.q_rows, head_rows, math.lcm(tiling.rows, geom.block_rows))
-    return None if rows is None else CallShape(1, rows)
-
-
-def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
-                       tiling: Tiling, paged: bool, row_extent: int, head_offset: bool):
+def _tile_stats_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: float,
+                       paged: bool, row_extent: int, head_offset: bool):
     table_ref, scalars_ref, (max_ref, sum_ref, *total_ref) = row_tile_refs(refs, paged)
-    tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
-                   norm=norm, tiling=tiling, row_extent=row_extent, whole_groups=True,
+    tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, plan=plan, causal=causal,
+                   norm=norm, row_extent=row_extent, whole_groups=True,
                    head_offset=head_offset)
-    rows, span = tiling.rows, tiling.key_span(geom)
-    unit = _unit(geom, tiling)
-    per_tile = _units(geom, tiling)
+    rows, span, unit, per_tile = plan.block_q, plan.span, plan.unit, plan.units_per_tile
     first = pl.program_id(COL_AXIS) * span
     seen = jnp.clip(tile.visible_tiles - first, 0, span)
     row0 = pl.program_id(ROW_AXIS) * rows  # in this call's scratch (tile.row0 counts all rows)
@@ -159,7 +80,7 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: 
 
         return jax.lax.cond(j == steps - 1, last_step, lambda p: p, product)
 
-    jax.lax.fori_loop(0, seen * steps, step, jnp.zeros((rows, tiling.cols), jnp.float32))
+    jax.lax.fori_loop(0, seen * steps, step, jnp.zeros((rows, plan.block_k), jnp.float32))
 
     def unseen(i, carry):  # loops from 0: a traced lower bound trips jax 0.11.2
         zeros = jnp.zeros((rows,) if per_tile == 1 else (rows, per_tile), jnp.float32)
@@ -206,12 +127,29 @@ def _combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometr
     return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)
 
 
+def _column_scores(q, group, geom: Geometry, norm: float) -> jax.Array:
+    """A * log2(e) of one reshaped key column, whose S tokens are `group` `[B, Hkv, S,
+    D]`, for every reshaped query row: float32 `[B, Hq, q_rows]` (section 1 in plain JAX,
+    for the one column the kernel leaves out; a partly filled last query group reads
+    zeros)."""
+    s = geom.stride
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, geom.q_rows * s - geom.q_len), (0, 0)))
+    # member m pairs query token i*S + S-1-m with key token m of the group
+    rows = q.reshape(geom.batch, geom.kv_heads, geom.group, geom.q_rows, s,
+                     geom.head_dim)[:, :, :, :, ::-1]
+    precision = jax.lax.Precision.HIGHEST if q.dtype.itemsize >= 4 else None
+    a = jnp.einsum("bhgrsd,bhsd->bhgr", rows, group, preferred_element_type=jnp.float32,
+                   precision=precision)
+    return a.reshape(geom.batch, geom.q_heads, geom.q_rows) * jnp.float32(
+        geom.scale / norm * LOG2_E)
+
+
 def _split_last_group(q, k, key_len, block_table, geom: Geometry, norm: float):
-    """Splits a traced key count for a kernel that reads keys unmasked (`keys_fit`):
-    the kernel gets the count rounded down to whole stride groups, and the column of the
-    partly filled group after them (its tokens past the count read as zeros) is scored
-    here, by the reference's section 1, for `_add_column` to merge into the kernel's
-    statistics. Keys past the count never enter a score.
+    """Splits a traced key count for a kernel that reads keys unmasked
+    (`Plan.keys_fit`): the kernel gets the count rounded down to whole stride groups, and
+    the column of the partly filled group after them (its tokens past the count read as
+    zeros) is scored here (`_column_scores`), for `_add_column` to merge into the
+    kernel's statistics. Keys past the count never enter a score.
 
     Returns the whole groups' tokens (int32 `[1]`), the column's index, its scores
     A * log2(e) (float32 `[B, Hq, q_rows]`) and whether there is such a column.
@@ -228,8 +166,7 @@ def _split_last_group(q, k, key_len, block_table, geom: Geometry, norm: float):
         group = k[pages, tokens % k.shape[1]].transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
     real = (tokens >= whole) & (tokens < count)
     group = jnp.where(real[:, None], group, jnp.zeros((), group.dtype))
-    scores = reference.strided_scores(q, group, geom, norm)[..., 0] * jnp.float32(LOG2_E)
-    return whole.reshape(1), whole // s, scores, count != whole
+    return whole.reshape(1), whole // s, _column_scores(q, group, geom, norm), count != whole
 
 
 def _add_column(maxes, sums, totals, scores, column, cols: int, unit: int, present):
@@ -253,30 +190,28 @@ def _add_column(maxes, sums, totals, scores, column, cols: int, unit: int, prese
             update(totals, t * rescale + added, t))
 
 
-def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
-                        block_table, tiling: Tiling, call: CallShape,
-                        interpret: bool) -> jax.Array:
-    """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`), `call.heads`
-    query heads and `call.rows` reshaped query rows per kernel call (`call_shape`)."""
-    heads, call_rows = call
-    grid = kernel_grid(geom, call_rows // tiling.rows, _key_groups(geom, tiling), heads)
-    key_tiles = _stored_key_tiles(geom, tiling)
-    unit = _unit(geom, tiling)
-    per_tile = _units(geom, tiling)
-    all_rows = call_rows >= geom.q_rows
+def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
+                        block_table) -> jax.Array:
+    """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`),
+    `plan.call_heads` query heads and `plan.call_rows` reshaped query rows per kernel
+    call."""
+    geom, heads, call_rows = plan.geom, plan.call_heads, plan.call_rows
+    grid = kernel_grid(plan, call_rows // plan.block_q, plan.key_groups, heads)
+    key_tiles, unit, per_tile = plan.stored_key_tiles, plan.unit, plan.units_per_tile
+    all_rows = plan.all_rows
     # The last of several row steps ends at the last query block.
     row_extent = call_rows if all_rows else geom.q_blocks * geom.block_rows
-    kernel = functools.partial(_tile_stats_kernel, geom=geom, causal=causal, norm=norm,
-                               tiling=tiling, paged=block_table is not None,
+    kernel = functools.partial(_tile_stats_kernel, plan=plan, causal=causal, norm=norm,
+                               paged=block_table is not None,
                                row_extent=row_extent, head_offset=heads < geom.q_heads)
     stats_shape = (geom.batch, heads, key_tiles, call_rows)
 
     kernel_keys, last_group = key_len, None
-    if key_len is not None and keys_fit(geom, tiling):
+    if key_len is not None and plan.keys_fit:
         kernel_keys, *last_group = _split_last_group(q, k, key_len, block_table, geom, norm)
 
     def block_sums_of(first_head, first_row, q_blocks):
-        in_specs, operands = key_operands(q, k, kernel_keys, block_table, geom, first_row,
+        in_specs, operands = key_operands(q, k, kernel_keys, block_table, plan, first_row,
                                           first_head)
         shapes = [stats_shape, stats_shape + (per_tile,)] + [stats_shape] * (per_tile > 1)
         maxes, sums, *totals = pl.pallas_call(
@@ -285,9 +220,9 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
             in_specs=in_specs,
             out_specs=[head_spec(shape[2:]) for shape in shapes],
             out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes],
-            compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
-                                                 num_stages=tiling.num_stages),
-            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                                 num_stages=plan.num_stages),
+            interpret=plan.interpret,
         )(*operands)
         totals = totals[0] if totals else sums[..., 0]
         if last_group is not None:
@@ -296,7 +231,7 @@ def one_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_
             scores = jax.lax.dynamic_slice_in_dim(_fit(scores, 2, row_extent), first_row,
                                                   call_rows, axis=2)
             maxes, sums, totals = _add_column(maxes, sums, totals, scores, column,
-                                              tiling.cols, unit, present)
+                                              plan.block_k, unit, present)
         return _combine(maxes, sums, totals, geom, unit, first_row, q_blocks)
 
     if heads == geom.q_heads and all_rows:

@@ -2,9 +2,10 @@
 from, which key tiles it sees, and its masked score tiles (ESTIMATE.md section 1 plus the
 causal and padding masks of section 2).
 
-A program owns `tiling.rows` reshaped query rows of one (batch, query head), on the grid
-of `common.py`. The kernels take q and k whole and index the program's heads themselves,
-so that a call can cover some of the heads (`one_pass.call_shape`) without a copy.
+A program owns `plan.block_q` reshaped query rows of one (batch, query head), on the
+grid of `common.py`. The kernels take q and k whole and index the program's heads
+themselves, so that a call can cover some of the heads (`Plan.call_heads`) without a
+copy.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from xattn_jax.geometry import Geometry
 from xattn_jax.triton.common import (BATCH_AXIS, HEAD_AXIS, LOG2_E, ROW_AXIS, batch_spec,
-                                     head_parts, load_paged_tokens, load_tokens, score_tile,
+                                     load_paged_tokens, load_tokens, score_tile,
                                      step_product, whole_spec)
-from xattn_jax.triton.tiling import Tiling
+from xattn_jax.triton.plan import Plan
 
 
 class RowTile:
@@ -31,19 +31,19 @@ class RowTile:
     first row of grid row tile 0 and the query head of grid head 0 (a call may cover
     only some rows and heads; the head is read only with `head_offset`, else grid head
     h is head h). row_extent: one past the last reshaped query row any of the kernel's
-    calls reads. whole_groups: the key count is Lk or a multiple of S (see `keys_fit`).
+    calls reads. whole_groups: the key count is Lk or a multiple of S (see
+    `Plan.keys_fit`).
 
     Loads are unmasked wherever every token they read lies in its buffer: the query rows
-    read end within Lq, and for keys `keys_fit` and `whole_groups`. Triton pipelines
+    read end within Lq, and for keys `Plan.keys_fit` and `whole_groups`. Triton pipelines
     unmasked q and k loads 9-12% faster (tuning.md, note 15).
     """
 
-    def __init__(self, q_ref, k_ref, table_ref, scalars_ref, *, geom: Geometry,
-                 causal: bool, norm: float, tiling: Tiling, row_extent: int,
-                 whole_groups: bool, head_offset: bool = False):
-        self.geom, self.causal, self.norm, self.tiling = geom, causal, norm, tiling
-        self.depth = tiling.step_depth(geom)
-        rows, cols, s = tiling.rows, tiling.cols, geom.stride
+    def __init__(self, q_ref, k_ref, table_ref, scalars_ref, *, plan: Plan, causal: bool,
+                 norm: float, row_extent: int, whole_groups: bool, head_offset: bool = False):
+        geom = plan.geom
+        self.geom, self.causal, self.norm, self.plan = geom, causal, norm, plan
+        rows, cols, s = plan.block_q, plan.block_k, geom.stride
         self.row0 = scalars_ref[1] + pl.program_id(ROW_AXIS) * rows
         self.row_ids = self.row0 + jnp.arange(rows)
         self.row_real = self.row_ids < geom.q_rows
@@ -63,7 +63,7 @@ class RowTile:
         else:
             key_loader = functools.partial(load_paged_tokens, k_ref, table_ref, kv_head,
                                            head_dim=geom.head_dim)
-        unmasked = whole_groups and keys_fit(geom, tiling)
+        unmasked = whole_groups and plan.keys_fit
         self.load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
         if causal:
             last_row = jnp.minimum(self.row0 + rows, geom.q_rows) - 1
@@ -82,29 +82,26 @@ class RowTile:
     @property
     def steps(self) -> int:
         """Pipeline steps per key tile (`strided_scores.step_product`)."""
-        return self.geom.stride * head_parts(self.geom, self.depth)
+        return self.geom.stride * self.plan.head_parts
 
     def scores(self, col_tile) -> jax.Array:
         """float32 `[rows, cols]`: A * log2(e) of key tile `col_tile`, -inf where a row may
         not see a column (past the real keys, or after the diagonal)."""
-        rows, cols = self.tiling.rows, self.tiling.cols
-        a = score_tile(self.load_queries, self.load_keys, self.row0, col_tile * cols,
-                       rows=rows, cols=cols, geom=self.geom, scale=self._scale,
-                       depth=self.depth)
+        a = score_tile(self.load_queries, self.load_keys, self.row0,
+                       col_tile * self.plan.block_k, plan=self.plan, scale=self._scale)
         return self._mask(a, col_tile)
 
     def step_product(self, col_tile, step) -> jax.Array:
         """Step `step`'s share of key tile `col_tile`'s product, unscaled; `finish` turns
         the sum over all `steps` into `scores(col_tile)`."""
         return step_product(self.load_queries, self.load_keys, self.row0,
-                            col_tile * self.tiling.cols, step, rows=self.tiling.rows,
-                            cols=self.tiling.cols, geom=self.geom, depth=self.depth)
+                            col_tile * self.plan.block_k, step, plan=self.plan)
 
     def finish(self, product: jax.Array, col_tile) -> jax.Array:
         return self._mask(product * jnp.float32(self._scale), col_tile)
 
     def _mask(self, a: jax.Array, col_tile) -> jax.Array:
-        cols = self.tiling.cols
+        cols = self.plan.block_k
         last_col = col_tile * cols + cols - 1
         # Only tiles holding a column past the real keys, or one after the first row's
         # diagonal, pay for the mask (the epilogue is on the critical path).
@@ -122,21 +119,12 @@ class RowTile:
         return jax.lax.cond(partial, masked, lambda a: a, a)
 
 
-def keys_fit(geom: Geometry, tiling: Tiling) -> bool:
-    """Whether the key tiles end within the key buffer (Lk tokens), so that every key
-    token a kernel reads is in it. Then Lk is a multiple of S, and RowTile reads keys
-    unmasked if its key count is a multiple of S too: keys past a shorter count read
-    whatever the buffer holds, which the column mask hides unless they share a stride
-    group with real keys."""
-    return tiling.key_tiles(geom) * tiling.cols * geom.stride <= geom.k_len
-
-
-def key_operands(q, k, key_len, block_table, geom: Geometry, first_row=0, first_head=0):
+def key_operands(q, k, key_len, block_table, plan: Plan, first_row=0, first_head=0):
     """`(in_specs, operands)` of a kernel taking RowTile's refs: q and k (or the paged
     cache) whole, [block table], scalars (key_len, default all Lk; first_row and
     first_head, ints or traced int32s)."""
     if key_len is None:
-        key_len = jnp.full((1,), geom.k_len, jnp.int32)
+        key_len = jnp.full((1,), plan.geom.k_len, jnp.int32)
     scalars = jnp.concatenate([key_len.astype(jnp.int32).reshape(1),
                                jnp.asarray(first_row, jnp.int32).reshape(1),
                                jnp.asarray(first_head, jnp.int32).reshape(1)])

@@ -17,17 +17,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xattn_jax.geometry import next_pow2
+from xattn_jax.triton.plan import Plan
 
-_ROW_ELEMENTS = 4096  # rows x padded key blocks one program holds
 _FLOAT_BITS = 31  # bisection steps: non-negative float32 bit patterns are < 2**31
 _INF_BITS = 0x7F800000
 
 
 def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks: int,
-                   rows: int, causal: bool, keep_sink: bool, keep_recent: bool):
+                   rows: int, width: int, causal: bool, keep_sink: bool, keep_recent: bool):
     h = pl.program_id(1)
-    width = next_pow2(k_blocks)
     blocks = jnp.arange(width)
     row0 = pl.program_id(2) * rows
     row_ids = row0 + jnp.arange(rows)
@@ -74,19 +72,18 @@ def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks
     plgpu.store(mask_ref.at[window], chosen.astype(jnp.int8), mask=real)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent",
-                                             "interpret"))
-def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
-                  keep_sink: bool = False, keep_recent: bool = False,
-                  interpret: bool = False) -> jax.Array:
-    """Pallas section 4. block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32 `[Hq]`.
+@functools.partial(jax.jit, static_argnames=("plan", "causal", "keep_sink", "keep_recent"))
+def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: Plan, causal: bool,
+                  keep_sink: bool = False, keep_recent: bool = False) -> jax.Array:
+    """Triton-backend section 4. block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32
+    `[Hq]`; plan: from `plan.plan_select_blocks` for that shape.
 
     Returns bool `[B, Hq, qb, kb]`, the same rule as `reference.select_blocks`.
     """
     b, hq, qb, kb = block_sums.shape
-    rows = max(1, _ROW_ELEMENTS // next_pow2(kb))
+    rows = plan.block_q
     kernel = functools.partial(_select_kernel, q_blocks=qb, k_blocks=kb, rows=rows,
-                               causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
+                               width=plan.block_k, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
     full = pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0))
     mask = pl.pallas_call(
         kernel,
@@ -94,7 +91,7 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
         in_specs=[full, pl.BlockSpec((hq,), lambda i, h, r: (0,))],
         out_specs=full,
         out_shape=jax.ShapeDtypeStruct(block_sums.shape, jnp.int8),
-        compiler_params=plgpu.CompilerParams(num_warps=4 if kb <= 1024 else 8),
-        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps),
+        interpret=plan.interpret,
     )(block_sums, threshold)
     return mask.astype(bool)

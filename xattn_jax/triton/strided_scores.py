@@ -14,51 +14,44 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xattn_jax.geometry import Geometry, next_pow2
 from xattn_jax.triton.common import (COL_AXIS, ROW_AXIS, head_spec, kernel_grid,
                                      key_head_spec, load_tokens, score_tile)
-from xattn_jax.triton.tiling import default_tiling
+from xattn_jax.triton.plan import Plan
 
 
-def qk_specs(geom: Geometry) -> list[pl.BlockSpec]:
-    """BlockSpecs handing one (batch, query head)'s q and its key head's k to a program
-    of the shared grid (`grid.py`)."""
-    return [head_spec((geom.q_len, geom.head_dim)), key_head_spec(geom)]
-
-
-def _strided_scores_kernel(q_ref, k_ref, out_ref, *, geom: Geometry, norm: float, tile: int):
+def _strided_scores_kernel(q_ref, k_ref, out_ref, *, plan: Plan, norm: float):
+    geom, tile = plan.geom, plan.block_q
     row0 = pl.program_id(ROW_AXIS) * tile
     col0 = pl.program_id(COL_AXIS) * tile
     load_queries = functools.partial(load_tokens, q_ref, length=geom.q_len,
                                      head_dim=geom.head_dim)
     load_keys = functools.partial(load_tokens, k_ref, length=geom.k_len,
                                   head_dim=geom.head_dim)
-    a = score_tile(load_queries, load_keys, row0, col0, rows=tile, cols=tile, geom=geom,
-                   scale=geom.scale / norm, depth=next_pow2(geom.head_dim))
+    a = score_tile(load_queries, load_keys, row0, col0, plan=plan, scale=geom.scale / norm)
     mask = ((row0 + jnp.arange(tile)) < geom.q_rows)[:, None] \
         & ((col0 + jnp.arange(tile)) < geom.k_cols)[None, :]
     plgpu.store(out_ref.at[pl.ds(row0, tile), pl.ds(col0, tile)], a, mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("geom", "norm", "tile", "interpret"))
-def strided_scores(q: jax.Array, k: jax.Array, *, geom: Geometry, norm: float,
-                   tile: int | None = None, interpret: bool = False) -> jax.Array:
-    """Pallas section 1: float32 scores `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`.
+@functools.partial(jax.jit, static_argnames=("plan", "norm"))
+def strided_scores(q: jax.Array, k: jax.Array, *, plan: Plan, norm: float) -> jax.Array:
+    """Triton-backend section 1: float32 scores `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`.
 
-    q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]` (float32, bfloat16 or float16). This writes
-    the whole score matrix, O((L/S)^2) memory: use it to inspect scores, not inside the
-    estimate, which fuses it away.
+    q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]` (float32, bfloat16 or float16); plan: from
+    `plan.plan_strided_scores`. This writes the whole score matrix, O((L/S)^2) memory: use
+    it to inspect scores, not inside the estimate, which fuses it away.
     """
-    tile = tile or min(64, default_tiling(geom, q.dtype).rows)
-    grid = kernel_grid(geom, pl.cdiv(geom.q_rows, tile), pl.cdiv(geom.k_cols, tile))
-    kernel = functools.partial(_strided_scores_kernel, geom=geom, norm=norm, tile=tile)
+    geom, tile = plan.geom, plan.block_q
+    grid = kernel_grid(plan, pl.cdiv(geom.q_rows, tile), pl.cdiv(geom.k_cols, tile))
+    kernel = functools.partial(_strided_scores_kernel, plan=plan, norm=norm)
     return pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=qk_specs(geom),
+        in_specs=[head_spec((geom.q_len, geom.head_dim)), key_head_spec(geom)],
         out_specs=head_spec((geom.q_rows, geom.k_cols)),
         out_shape=jax.ShapeDtypeStruct(
             (geom.batch, geom.q_heads, geom.q_rows, geom.k_cols), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                             num_stages=plan.num_stages),
+        interpret=plan.interpret,
     )(q, k)

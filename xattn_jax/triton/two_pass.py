@@ -1,13 +1,13 @@
 """Sections 2-3 in two passes over the key tiles; nothing but the block sums is stored.
 
-Each program owns `tiling.rows` reshaped query rows (`RowTile`) and walks the key tiles it
+Each program owns `plan.block_q` reshaped query rows (`RowTile`) and walks the key tiles it
 sees twice:
 
 1. row statistics: the running maximum m and the sum l of 2^(A' - m) per row (online
    softmax in base 2: A' = A * log2(e), the factor folded into the score scale);
 2. block sums: 2^(A' - m) / l per element, summed over `fine x fine` squares and stored.
 
-`fine` = gcd(block_rows, rows, cols) is the internal block: block sums at `block_size` are
+`fine` = gcd(block_rows, block_q, block_k) (`Plan.fine`) is the internal block: block sums at `block_size` are
 sums of (block_rows / fine)^2 fine blocks (ESTIMATE.md section 3, hierarchical sums), so
 the work per element is the same for every block size. Causal programs stop at their last
 visible key tile and write zeros beyond it. It computes every score twice, but needs no
@@ -23,20 +23,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xattn_jax.geometry import Geometry
 from xattn_jax.triton.common import ROW_AXIS, head_spec, kernel_grid
 from xattn_jax.triton.row_tile import RowTile, key_operands, row_tile_refs
-from xattn_jax.triton.tiling import Tiling
+from xattn_jax.triton.plan import Plan
 
 
-def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: float,
-                     tiling: Tiling, paged: bool, row_extent: int, whole_groups: bool):
+def _two_pass_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: float,
+                     paged: bool, row_extent: int, whole_groups: bool):
     table_ref, scalars_ref, (out_ref,) = row_tile_refs(refs, paged)
-    tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, geom=geom, causal=causal,
-                   norm=norm, tiling=tiling, row_extent=row_extent,
-                   whole_groups=whole_groups)
-    rows, cols = tiling.rows, tiling.cols
-    fine = tiling.fine(geom)
+    tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, plan=plan, causal=causal,
+                   norm=norm, row_extent=row_extent, whole_groups=whole_groups)
+    geom, rows, cols, fine = plan.geom, plan.block_q, plan.block_k, plan.fine
     per_block = geom.block_rows // fine
     out_rows, out_cols = geom.q_blocks * per_block, geom.k_blocks * per_block
     visible_tiles = tile.visible_tiles
@@ -78,28 +75,28 @@ def _two_pass_kernel(q_ref, k_ref, *refs, geom: Geometry, causal: bool, norm: fl
     jax.lax.fori_loop(0, all_tiles - visible_tiles, write_zeros, None)
 
 
-def two_pass_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
-                        block_table, tiling: Tiling, interpret: bool) -> jax.Array:
+def two_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
+                        block_table) -> jax.Array:
     """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`)."""
-    fine = tiling.fine(geom)
+    geom, fine = plan.geom, plan.fine
     per_block = geom.block_rows // fine
     out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
                  geom.k_blocks * per_block)
-    in_specs, operands = key_operands(q, k, key_len, block_table, geom)
-    row_tiles = pl.cdiv(out_shape[2] * fine, tiling.rows)
-    kernel = functools.partial(_two_pass_kernel, geom=geom, causal=causal, norm=norm,
-                               tiling=tiling, paged=block_table is not None,
-                               row_extent=row_tiles * tiling.rows,
+    in_specs, operands = key_operands(q, k, key_len, block_table, plan)
+    row_tiles = pl.cdiv(out_shape[2] * fine, plan.block_q)
+    kernel = functools.partial(_two_pass_kernel, plan=plan, causal=causal, norm=norm,
+                               paged=block_table is not None,
+                               row_extent=row_tiles * plan.block_q,
                                whole_groups=key_len is None)
     sums = pl.pallas_call(
         kernel,
-        grid=kernel_grid(geom, row_tiles),
+        grid=kernel_grid(plan, row_tiles),
         in_specs=in_specs,
         out_specs=head_spec(out_shape[2:]),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
-                                             num_stages=tiling.num_stages),
-        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                             num_stages=plan.num_stages),
+        interpret=plan.interpret,
     )(*operands)
     if per_block == 1:
         return sums

@@ -1,0 +1,118 @@
+"""A/B of two versions of xattn_jax in one process, case by case, in alternation.
+
+    python -m bench.ab --old PATH [--cases NAME,...] [--rounds 3] [--json OUT]
+
+PATH is a checkout of the other version (e.g. `git worktree add /tmp/old COMMIT`). Its
+`xattn_jax` is imported under the name `xattn_old` (a copy with its imports renamed), so
+both versions share one process, one GPU state and one clock history; each round times
+the old then the new version of every case (back-to-back medians, `bench.common.time_ms`),
+and the report gives each side's median over the rounds and the new / old ratio. The
+cases are `bench.estimate`'s (the estimate) and `bench.chunked`'s chunk rows (kv_block_scores
+then select_kv_blocks over a 4096-token chunk). Both versions are called through their
+public API with the kernels (`impl` "pallas" or "triton", whichever the version names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import log, record, time_ms, write_json
+from bench.estimate import CASES as ESTIMATE_CASES
+from bench.estimate import HEAD_DIM, HEADS, STRIDE
+
+CHUNK_CONTEXTS = {"chunk4096-ctx16k": 16384, "chunk4096-ctx32k": 32768,
+                  "chunk4096-ctx64k": 65536, "chunk4096-ctx128k": 131072}
+DEFAULT_CASES = [name for name in ESTIMATE_CASES
+                 if not name.startswith(("noncausal-16k", "noncausal-32k"))] + list(CHUNK_CONTEXTS)
+
+
+def load_renamed(path: str, name: str = "xattn_old"):
+    """The package `xattn_jax` of the checkout at `path`, imported as `name`."""
+    target = pathlib.Path(tempfile.mkdtemp()) / name
+    shutil.copytree(pathlib.Path(path) / "xattn_jax", target)
+    for source in target.rglob("*.py"):
+        source.write_text(source.read_text().replace("xattn_jax", name))
+    sys.path.insert(0, str(target.parent))
+    return importlib.import_module(name)
+
+
+def kernel_impl(module) -> str:
+    """The name a version gives its Triton-backend kernels."""
+    impls = getattr(module, "impls", None)
+    return "triton" if impls is not None and "triton" in impls.IMPLS else "pallas"
+
+
+def case_fn(module, name: str):
+    """(fn, args) of one case, for one version."""
+    impl = kernel_impl(module)
+    keys = jax.random.split(jax.random.PRNGKey(len(name)), 2)
+    if name in CHUNK_CONTEXTS:
+        context = CHUNK_CONTEXTS[name]
+        q = jax.random.normal(keys[0], (1, HEADS, 4096, HEAD_DIM), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (1, 8, context, HEAD_DIM), jnp.bfloat16)
+
+        @jax.jit
+        def chunk(q, k, k_len):
+            scores = module.kv_block_scores(q, k, kv_block_size=4096, estimate_block_size=1024,
+                                            stride=STRIDE, k_len=k_len, impl=impl)
+            return scores, module.select_kv_blocks(scores, threshold=0.95)
+
+        return chunk, (q, k, jnp.int32(context))
+    kv_heads, length, block_size, causal, _ = ESTIMATE_CASES[name]
+    q = jax.random.normal(keys[0], (1, HEADS, length, HEAD_DIM), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, kv_heads, length, HEAD_DIM), jnp.bfloat16)
+
+    def estimate(q, k):
+        return module.xattn_estimate(q, k, block_size=block_size, stride=STRIDE, causal=causal,
+                                     impl=impl)
+
+    return estimate, (q, k)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="checkout of the other version")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    import xattn_jax as new
+
+    old = load_renamed(args.old)
+    names = args.cases.split(",")
+    rows, records = [], []
+    for i, name in enumerate(names):
+        log(f"[{i + 1}/{len(names)}] {name}")
+        fns = {label: case_fn(module, name) for label, module in (("old", old), ("new", new))}
+        reps = 2 if name == "causal-1m" else 10
+        times = {"old": [], "new": []}
+        for _ in range(args.rounds):
+            for label, (fn, fn_args) in fns.items():
+                times[label].append(time_ms(fn, [fn_args], warmup=2, reps=reps))
+        old_ms, new_ms = (statistics.median(times[label]) for label in ("old", "new"))
+        log(f"  old {old_ms:.3f} ms, new {new_ms:.3f} ms, new / old {new_ms / old_ms:.3f}")
+        rows.append((name, old_ms, new_ms, times))
+        records += [record(name, f"xattn-jax {label}", ms, float("nan"), float("nan"))
+                    for label, ms in (("old", old_ms), ("new", new_ms))]
+        if args.json:
+            write_json(args.json, records)
+        del fns
+    print("| case | old ms | new ms | new / old | rounds old | rounds new |")
+    print("|---|---|---|---|---|---|")
+    for name, old_ms, new_ms, times in rows:
+        print(f"| {name} | {old_ms:.3f} | {new_ms:.3f} | {new_ms / old_ms:.3f} | "
+              + " ".join(f"{t:.3f}" for t in times["old"]) + " | "
+              + " ".join(f"{t:.3f}" for t in times["new"]) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The implementation table: every public function's `impl` argument is resolved here,
+and nowhere else.
+
+| impl | what runs | where it can run |
+|---|---|---|
+| "reference" | plain JAX (`xattn_jax.reference`) | any device |
+| "triton" | Pallas kernels, Triton backend (`xattn_jax.triton`) | NVIDIA GPUs; elsewhere Pallas interpret mode (slow: for tests) |
+| "mosaic" | Pallas kernels, Mosaic GPU backend (`xattn_jax.mosaic`) | NVIDIA Hopper GPUs (H100, H200), for the ops it has kernels for |
+| "auto" | the best of the above for the device the inputs live on | "triton" on a GPU, "reference" elsewhere |
+
+The device is that of the first concrete `jax.Array` among the inputs; inside a trace
+(a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend.
+Each resolved implementation is a small hashable value, a static argument of the jitted
+functions, that runs each op of the estimate (`strided_scores`, `block_sums`,
+`select_blocks`); the Triton ones build their plan (`triton.plan`) at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from xattn_jax import mosaic, reference
+from xattn_jax.geometry import Geometry
+from xattn_jax.triton import block_sums as triton_block_sums
+from xattn_jax.triton import select_blocks as triton_select
+from xattn_jax.triton import strided_scores as triton_scores
+from xattn_jax.triton.plan import plan_block_sums, plan_select_blocks, plan_strided_scores
+
+IMPLS = ("auto", "reference", "triton", "mosaic")
+ESTIMATE_OPS = ("strided_scores", "block_sums", "select_blocks")
+TRITON_MAX_KEY_BLOCKS = 16384  # wider rows select with the reference (XLA sort)
+
+_reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """A resolved implementation: "reference" or "triton" (with `interpret` off a GPU)."""
+
+    name: str
+    interpret: bool = False
+
+    def strided_scores(self, q, k, *, geom: Geometry, norm: float) -> jax.Array:
+        """Section 1: float32 `[B, Hq, q_rows, k_cols]`."""
+        if self.name == "reference":
+            return _reference_scores(q, k, geom, norm)
+        plan = plan_strided_scores(geom, q.dtype, interpret=self.interpret)
+        return triton_scores.strided_scores(q, k, plan=plan, norm=norm)
+
+    def block_sums(self, q, k, *, geom: Geometry, causal: bool, norm: float, key_len=None,
+                   block_table=None, max_scratch_bytes: int | None = None) -> jax.Array:
+        """Sections 1-3: float32 `[B, Hq, qb, kb]`. key_len: int32 `[]` (keys in use of
+        a padded buffer, default all); block_table: int32 `[B, pages_per_seq]` when k is
+        a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the Triton
+        one-pass kernel's workspace bound (the reference has none)."""
+        if self.name == "reference":
+            keys = k if block_table is None else reference.gather_pages(k, block_table)
+            return reference.block_sums(q, keys, geom, causal=causal, norm=norm,
+                                        key_len=key_len)
+        plan = plan_block_sums(geom, q.dtype, causal, interpret=self.interpret,
+                               max_scratch_bytes=max_scratch_bytes)
+        return triton_block_sums.block_sums(
+            q, k, plan=plan, causal=causal, norm=norm,
+            key_len=None if key_len is None else key_len.reshape(1), block_table=block_table)
+
+    def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
+                      keep_recent: bool) -> jax.Array:
+        """Section 4: float32 sums `[B, Hq, qb, kb]`, threshold `[Hq]` -> bool mask."""
+        rules = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
+        if self.name == "reference" or sums.shape[-1] > TRITON_MAX_KEY_BLOCKS:
+            return reference.select_blocks(sums, threshold, **rules)
+        plan = plan_select_blocks(sums.shape, interpret=self.interpret)
+        return triton_select.select_blocks(sums, threshold, plan=plan, **rules)
+
+
+def device_of(*arrays) -> jax.Device | None:
+    """The device the first concrete jax.Array among `arrays` lives on; None inside a
+    trace or for host data (then JAX's default device runs the call)."""
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            devices = x.devices()
+            if len(devices) == 1:
+                return next(iter(devices))
+            return min(devices, key=lambda d: d.id)
+    return None
+
+
+def _platform(device: jax.Device | None) -> str:
+    return device.platform if device is not None else jax.default_backend()
+
+
+def resolve(impl: str, *arrays) -> Implementation:
+    """The implementation of the estimate's ops that `impl` names, for inputs `arrays`.
+
+    A ValueError for a name not in IMPLS, and for "mosaic", which has no estimate
+    kernels yet: the message says what it needs.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    device = device_of(*arrays)
+    on_gpu = _platform(device) == "gpu"
+    if impl == "mosaic":
+        reason = mosaic.unavailable(device)
+        raise ValueError(reason or "impl='mosaic' has no kernels for the estimate yet "
+                         "(it has them for block-sparse attention); use 'triton' or "
+                         "'auto'")
+    if impl == "reference" or (impl == "auto" and not on_gpu):
+        return Implementation("reference")
+    return Implementation("triton", interpret=not on_gpu)

@@ -1,0 +1,282 @@
+"""One plan per Triton-backend kernel call: which kernel runs, with which tiles, in how
+many kernel calls, with how much scratch. Built here, from the geometry, the dtype, the
+causal flag, where it runs and the caller's scratch bound; the kernels read the plan and
+derive nothing themselves.
+
+Tuned values (`TUNED`, `ONE_PASS_*`, `*_SPAN`, `MIN_PROGRAMS`) were measured on an H200
+with `python -m bench.tune`; bench/results/tuning.md has the tables, cited per value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from xattn_jax.geometry import Geometry, next_pow2
+
+ONE_PASS, TWO_PASS, STRIDED_SCORES, SELECT_BLOCKS = ("one_pass", "two_pass", "strided_scores",
+                                                     "select_blocks")
+BLOCK_SUM_KERNELS = (ONE_PASS, TWO_PASS)
+MIN_SIDE = 16  # Triton's smallest dot operand side
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch parameters: a row of `TUNED`, or a caller's choice (tests,
+    `bench.tune`).
+
+    block_q / block_k: reshaped query rows / key columns per tile (powers of two, >= 16
+    on a GPU); block_d: head-dim columns per pipeline step (a power of two >= 16; None:
+    all of the head dim); span: key tiles per one-pass program (None: the default rule of
+    `plan_block_sums`).
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_d: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+    span: int | None = None
+
+    def __post_init__(self):
+        if self.block_d is not None and (self.block_d < MIN_SIDE
+                                         or self.block_d & (self.block_d - 1)):
+            raise ValueError(f"block_d must be None or a power of two >= {MIN_SIDE}, got "
+                             f"{self.block_d}")
+
+
+# By input itemsize. 2 bytes (bf16 / f16): 128 x 256 tiles, 8 warps, 4 stages, the head
+# dim in steps of 64 (192 KiB of shared memory): 1.1-1.15x over 128 x 128 tiles taking
+# the whole head dim in 3 stages (tuning.md, notes 2-4). 4 bytes (float32, the exactness
+# path): twice the shared memory per tile, so 32 x 32 (a 64 x 64 tile with 2 stages asked
+# for 256 KiB, over the H200's 227 KiB).
+TUNED = {2: Tiles(block_q=128, block_k=256, block_d=64, num_warps=8, num_stages=4),
+         4: Tiles(block_q=32, block_k=32, block_d=None, num_warps=4, num_stages=2)}
+BASE_HEAD_DIM = 128  # head dims above this shrink the tuned tile in proportion
+SPAN, CAUSAL_SPAN = 8, 2  # key tiles per one-pass program (tuning.md, notes 12 and 25)
+MIN_PROGRAMS = 1024  # one-pass grids smaller than this split the keys further
+# One-pass scratch: a call whose whole scratch fits in 1.5 GiB runs in one kernel call
+# (64K tokens, 32 heads: 0.06-1.06 GiB for blocks of 4096 down to 64; row steps of 48 MiB
+# measured 6-17% slower there, tuning.md note 19). Larger calls step within 48 MiB (keeps
+# the 128K causal call within 64 MiB), or within 1/16 of their float32 result where that
+# is more (1M tokens x 32 heads: 512 MiB hold 13K rows of one head per call).
+ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
+ONE_PASS_STEP_BYTES = 48 << 20
+SCRATCH_PER_RESULT = 16
+SELECT_ROW_ELEMENTS = 4096  # rows x padded key blocks one selection program holds
+SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned block_q)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one Triton-backend kernel call runs. Hashable: a static jit argument.
+
+    kernel: ONE_PASS, TWO_PASS, STRIDED_SCORES or SELECT_BLOCKS. block_q x block_k: the
+    tile (reshaped query rows x key columns; for SELECT_BLOCKS query blocks x key blocks
+    padded to a power of two); block_d: head-dim columns per pipeline step. span: key
+    tiles per program. call_heads / call_rows: the query heads and reshaped query rows one
+    kernel call covers (ONE_PASS; calls run one after another, reusing the scratch);
+    scratch_bytes: one call's scratch. interpret: Pallas interpret mode (off a GPU).
+    """
+
+    geom: Geometry
+    kernel: str
+    block_q: int
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    span: int = 1
+    call_heads: int = 0
+    call_rows: int = 0
+    scratch_bytes: int = 0
+    interpret: bool = False
+
+    @property
+    def key_tiles(self) -> int:
+        """Key tiles covering the reshaped key columns."""
+        return _cdiv(self.geom.k_cols, self.block_k)
+
+    @property
+    def head_parts(self) -> int:
+        """Pieces of block_d head-dim columns a stride member's product takes."""
+        return next_pow2(self.geom.head_dim) // self.block_d
+
+    @property
+    def fine(self) -> int:
+        """The two-pass kernel's internal block in reshaped rows: the largest divisor of
+        block_rows that divides both tile sides."""
+        return math.gcd(self.geom.block_rows, self.block_q, self.block_k)
+
+    @property
+    def unit(self) -> int:
+        """The one-pass kernel's column unit: gcd(block_rows, block_k) columns (a block
+        is a whole number of units)."""
+        return math.gcd(self.geom.block_rows, self.block_k)
+
+    @property
+    def units_per_tile(self) -> int:
+        return self.block_k // self.unit
+
+    @property
+    def key_groups(self) -> int:
+        """One-pass programs per row tile: key tiles in groups of `span`."""
+        return _cdiv(self.key_tiles, self.span)
+
+    @property
+    def stored_key_tiles(self) -> int:
+        """Key tiles the one-pass scratch holds: the real ones padded to whole spans."""
+        return self.key_groups * self.span
+
+    @property
+    def keys_fit(self) -> bool:
+        """Whether the key tiles end within the key buffer (Lk tokens), so that every key
+        token a kernel reads is in it. Then Lk is a multiple of S, and the kernels read
+        keys unmasked if their key count is a multiple of S too: keys past a shorter count
+        read whatever the buffer holds, which the column mask hides unless they share a
+        stride group with real keys."""
+        return self.key_tiles * self.block_k * self.geom.stride <= self.geom.k_len
+
+    @property
+    def padded_rows(self) -> int:
+        """The reshaped query rows a call covering all of them holds: whole row tiles."""
+        return _cdiv(self.geom.q_rows, self.block_q) * self.block_q
+
+    @property
+    def head_row_scratch_bytes(self) -> int:
+        """One-pass scratch bytes per reshaped query row and query head: the maximum m,
+        the unit sums x and, with several units per tile, the row total s, for every key
+        tile and batch element."""
+        units = self.units_per_tile
+        per_tile = 1 + units + (units > 1)
+        return (self.geom.batch * self.stored_key_tiles * per_tile
+                * jnp.dtype(jnp.float32).itemsize)
+
+    @property
+    def all_rows(self) -> bool:
+        """Whether one call covers every query row (else row steps)."""
+        return self.call_rows >= self.geom.q_rows
+
+    @property
+    def calls(self) -> int:
+        """Kernel calls of a ONE_PASS plan."""
+        if self.kernel != ONE_PASS:
+            return 1
+        per_call = self.geom.q_blocks if self.all_rows else self.call_rows // self.geom.block_rows
+        return _cdiv(self.geom.q_heads, self.call_heads) * _cdiv(self.geom.q_blocks, per_call)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tuned_tiles(geom: Geometry, dtype) -> Tiles:
+    """The measured tiles for inputs of `dtype` and the geometry's head_dim."""
+    tiles = TUNED[4 if jnp.dtype(dtype).itemsize >= 4 else 2]
+    shrink = max(1, next_pow2(geom.head_dim) // BASE_HEAD_DIM)
+    return dataclasses.replace(tiles, block_q=max(MIN_SIDE, tiles.block_q // shrink),
+                               block_k=max(MIN_SIDE, tiles.block_k // shrink))
+
+
+def _default_span(geom: Geometry, tiles: Tiles, causal: bool) -> int:
+    """Key tiles per one-pass program: 2 in causal calls (balances the triangle), 8
+    otherwise, fewer where a short chunk of queries would leave the GPU with fewer than
+    MIN_PROGRAMS programs."""
+    key_tiles = _cdiv(geom.k_cols, tiles.block_k)
+    row_programs = geom.batch * geom.q_heads * _cdiv(geom.q_rows, tiles.block_q)
+    groups = _cdiv(MIN_PROGRAMS, row_programs)
+    return min(CAUSAL_SPAN if causal else SPAN, _cdiv(key_tiles, groups))
+
+
+def _scratch_bound(plan: Plan) -> int:
+    """The default one-pass scratch bound (`ONE_PASS_WHOLE_CALL_BYTES` and the step
+    sizes above)."""
+    geom = plan.geom
+    whole = plan.head_row_scratch_bytes * geom.q_heads * plan.padded_rows
+    if whole <= ONE_PASS_WHOLE_CALL_BYTES:
+        return whole
+    result = (geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
+              * jnp.dtype(jnp.float32).itemsize)
+    return max(ONE_PASS_STEP_BYTES, result // SCRATCH_PER_RESULT)
+
+
+def _even_steps(total: int, fit: int, quantum: int) -> int | None:
+    """The size of the steps that cover `total` (heads, or rows): a multiple of
+    `quantum`, the smallest that needs no more steps than the largest within `fit` (the
+    last step overlaps the one before it: whatever it repeats is work done twice). None
+    if not even one quantum fits."""
+    if fit < quantum:
+        return None
+    steps = _cdiv(total, fit // quantum * quantum)
+    return _cdiv(_cdiv(total, steps), quantum) * quantum
+
+
+def _call_shape(plan: Plan, max_scratch_bytes: int) -> tuple[int, int] | None:
+    """The heads and rows one one-pass kernel call covers so that its scratch stays
+    within `max_scratch_bytes`.
+
+    Every row of as many heads as fit (all heads if they do: one call); else one head,
+    its rows in steps that are multiples of both block_q and block_rows. A call's
+    programs then share one head's keys, which stay in L2; steps over all heads with a
+    few rows each read every head's keys again in every step, and measured 2-10% slower
+    (tuning.md, note 24). None if not even one row step of one head fits.
+    """
+    geom = plan.geom
+    all_rows = plan.padded_rows
+    head_rows = max_scratch_bytes // plan.head_row_scratch_bytes  # rows that fit
+    if head_rows >= all_rows:
+        return _even_steps(geom.q_heads, head_rows // all_rows, 1), all_rows
+    rows = _even_steps(geom.q_rows, head_rows, math.lcm(plan.block_q, geom.block_rows))
+    return None if rows is None else (1, rows)
+
+
+def plan_block_sums(geom: Geometry, dtype, causal: bool, *, interpret: bool,
+                    max_scratch_bytes: int | None = None, tiles: Tiles | None = None,
+                    kernel: str | None = None) -> Plan:
+    """The plan of one block-sum call (sections 1-3 fused).
+
+    tiles: default `tuned_tiles`; span default `_default_span`. kernel: default ONE_PASS
+    if one row step of one head fits in `max_scratch_bytes` of scratch (default
+    `_scratch_bound`), else TWO_PASS (each score computed twice, no scratch).
+    """
+    tiles = tiles or tuned_tiles(geom, dtype)
+    span = tiles.span or _default_span(geom, tiles, causal)
+    block_d = min(tiles.block_d or next_pow2(geom.head_dim), next_pow2(geom.head_dim))
+    plan = Plan(geom, ONE_PASS, tiles.block_q, tiles.block_k, block_d, tiles.num_warps,
+                tiles.num_stages, interpret=interpret)
+    plan = dataclasses.replace(plan, span=min(span, plan.key_tiles))
+    bound = max_scratch_bytes or _scratch_bound(plan)
+    call = _call_shape(plan, bound)
+    if kernel not in (None, *BLOCK_SUM_KERNELS):
+        raise ValueError(f"kernel must be one of {BLOCK_SUM_KERNELS}, got {kernel!r}")
+    if kernel == TWO_PASS or (kernel is None and call is None):
+        return dataclasses.replace(plan, kernel=TWO_PASS, span=plan.key_tiles)
+    if call is None:
+        raise ValueError(f"the one-pass kernel needs more than max_scratch_bytes={bound} "
+                         f"bytes of scratch for one row step of one head of {geom}: use "
+                         f"kernel={TWO_PASS!r}")
+    heads, rows = call
+    return dataclasses.replace(plan, call_heads=heads, call_rows=rows,
+                               scratch_bytes=plan.head_row_scratch_bytes * heads * rows)
+
+
+def plan_strided_scores(geom: Geometry, dtype, *, interpret: bool,
+                        tile: int | None = None) -> Plan:
+    """The plan of one standalone score call: square tiles of `tile` (default SCORES_TILE,
+    at most the tuned block_q), the whole head dim per step."""
+    tile = tile or min(SCORES_TILE, tuned_tiles(geom, dtype).block_q)
+    return Plan(geom, STRIDED_SCORES, tile, tile, next_pow2(geom.head_dim), num_warps=4,
+                num_stages=2, interpret=interpret)
+
+
+def plan_select_blocks(shape: tuple[int, int, int, int], *, interpret: bool) -> Plan:
+    """The plan of one selection call over block sums of `shape` `[B, Hq, qb, kb]`: block_q
+    query-block rows per program, each row's kb key blocks held in block_k, a power of
+    two. Its geometry counts in blocks (a block is one "token" of stride 1)."""
+    b, hq, qb, kb = shape
+    width = next_pow2(kb)
+    return Plan(Geometry(b, hq, hq, qb, kb, 1, 1, 1), SELECT_BLOCKS,
+                max(1, SELECT_ROW_ELEMENTS // width), width, 0,
+                num_warps=4 if kb <= 1024 else 8, num_stages=1, interpret=interpret)
