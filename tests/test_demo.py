@@ -59,6 +59,27 @@ def test_missing_output_directory_is_refused(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_plot_labels_every_mask_state_and_greys_blocks_after_the_diagonal():
+    from xattn_jax.demo.cli import AFTER_DIAGONAL_COLOR, MASK_STATES, plot_figure
+    import matplotlib.colors
+
+    qb, kb = 3, 5  # a chunk: query block I lines up with key block I + 2
+    allowed = np.arange(kb)[None, :] <= np.arange(qb)[:, None] + 2
+    sums = np.where(allowed, 0.5, 0.0)
+    mask = allowed & (np.arange(kb)[None, :] % 2 == 0)
+    left, right = plot_figure(sums, mask, "title").axes[:2]
+    labels = [text.get_text() for text in right.get_legend().get_texts()]
+    assert sorted(labels) == sorted(label for label, _ in MASK_STATES)
+    assert any("after the diagonal" in label for label in labels)
+    states = np.asarray(right.images[0].get_array())
+    np.testing.assert_array_equal(states, np.where(mask, 2, np.where(allowed, 1, 0)))
+    grey = matplotlib.colors.to_rgba(AFTER_DIAGONAL_COLOR)
+    assert right.images[0].cmap(right.images[0].norm(0)) == grey
+    blank = np.ma.getmaskarray(np.ma.masked_invalid(left.images[0].get_array()))
+    np.testing.assert_array_equal(blank, ~allowed)
+    assert tuple(left.images[0].cmap.get_bad()) == grey
+
+
 # --- exact recall ----------------------------------------------------------------------
 
 def brute_force_recall(q, k, mask, block_size, causal):

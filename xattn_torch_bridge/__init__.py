@@ -69,3 +69,8 @@ from xattn_torch_bridge.policy import XAttentionPolicy  # noqa: E402
 
 __all__ = ["PagedKVCache", "XAttentionPolicy", "cuda_available", "reference", "to_jax",
            "to_torch", "xattn_estimate"]
+
+
+def __dir__() -> list[str]:
+    """The public names only; the helpers above and the submodules stay importable."""
+    return sorted(__all__)

@@ -65,12 +65,24 @@ def _timed_estimate(q, k, args) -> tuple[jax.Array, jax.Array, float, float]:
     return sums, mask, first, steady
 
 
-def _plot(path: str, sums: np.ndarray, mask: np.ndarray, title: str) -> None:
-    """Writes two panels for one head: block sums float `[qb, kb]` (log color scale, blocks
-    after the diagonal left blank) and the block mask bool `[qb, kb]`."""
+# The block mask panel's three states, in order: (legend label, color).
+MASK_STATES = (
+    ("after the diagonal (causal attention never reads it)", "#e8e8e8"),
+    ("dropped", "white"),
+    ("selected", "#1f4e9c"),
+)
+AFTER_DIAGONAL_COLOR = MASK_STATES[0][1]
+
+
+def plot_figure(sums: np.ndarray, mask: np.ndarray, title: str):
+    """Two panels for one head: block sums float `[qb, kb]` (log color scale) and the
+    block mask bool `[qb, kb]`; blocks after the diagonal are grey in both, and the mask
+    panel's legend names its three states. Returns the matplotlib Figure."""
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import ListedColormap, LogNorm
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     qb, kb = sums.shape
     allowed = np.arange(kb)[None, :] <= np.arange(qb)[:, None] + (kb - qb)
@@ -82,18 +94,22 @@ def _plot(path: str, sums: np.ndarray, mask: np.ndarray, title: str) -> None:
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
     image = left.imshow(np.where(allowed, np.maximum(sums, norm.vmin), np.nan), norm=norm,
-                        cmap="viridis", interpolation="nearest")
+                        cmap=colormaps["viridis"].with_extremes(bad=AFTER_DIAGONAL_COLOR),
+                        interpolation="nearest")
     fig.colorbar(image, ax=left, shrink=0.85, label="estimated block sum")
     left.set_title("block sums (log scale)")
-    states = np.where(mask, 2, np.where(allowed, 1, 0))  # after diagonal / dropped / kept
-    right.imshow(states, cmap=ListedColormap(["#e8e8e8", "white", "#1f4e9c"]), vmin=0, vmax=2,
-                 interpolation="nearest")
-    right.set_title("block mask (blue: selected)")
+    states = np.where(mask, 2, np.where(allowed, 1, 0))  # indices into MASK_STATES
+    right.imshow(states, cmap=ListedColormap([color for _, color in MASK_STATES]), vmin=0,
+                 vmax=len(MASK_STATES) - 1, interpolation="nearest")
+    right.legend(handles=[Patch(facecolor=color, edgecolor="grey", label=label)
+                          for label, color in reversed(MASK_STATES)],
+                 loc="upper right", fontsize="small")
+    right.set_title("block mask")
     for ax in (left, right):
         ax.set_xlabel("key block")
         ax.set_ylabel("query block")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def _report(args, q, first: float, steady: float, cov: Coverage, seconds: dict) -> str:
@@ -137,8 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     cov = coverage(example.q, example.k, mask, block_size=args.block_size)
     seconds = {"generate": generated - start, "recall": time.perf_counter() - start_recall}
     h = args.head
-    _plot(args.out, np.asarray(sums[0, h]), np.asarray(mask[0, h]),
-          f"head {h}: density {cov.density[h]:.1%}, recall {cov.recall[h]:.1%}  "
-          f"(L={args.length}, S={args.stride}, block {args.block_size}, "
-          f"threshold {args.threshold})")
+    fig = plot_figure(np.asarray(sums[0, h]), np.asarray(mask[0, h]),
+                      f"head {h}: density {cov.density[h]:.1%}, recall {cov.recall[h]:.1%}  "
+                      f"(L={args.length}, S={args.stride}, block {args.block_size}, "
+                      f"threshold {args.threshold})")
+    fig.savefig(args.out, dpi=110)
     print(_report(args, example.q, first, steady, cov, seconds))
