@@ -1,12 +1,13 @@
 """The plain-JAX reference: the source of truth every kernel is tested against.
 
 `estimate`: sections 1-4 of docs/estimate.md (strided scores, softmax block sums, the
-threshold selection).
+threshold selection). `attention`: section 6 (block-sparse attention on the mask).
 """
 
+from xattn_jax.reference.attention import block_sparse_attention
 from xattn_jax.reference.estimate import (block_sums, forced_and_allowed, select_blocks,
                                           softmax_block_sums, strided_scores, take_descending,
                                           visible)
 
-__all__ = ["block_sums", "forced_and_allowed", "select_blocks", "softmax_block_sums",
-           "strided_scores", "take_descending", "visible"]
+__all__ = ["block_sparse_attention", "block_sums", "forced_and_allowed", "select_blocks",
+           "softmax_block_sums", "strided_scores", "take_descending", "visible"]
