@@ -102,6 +102,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     q = q.reshape(batch, kv_heads, group, q_len, head_dim)
     mask = mask.reshape(batch, kv_heads, group, *mask.shape[2:])
     lead = (batch, kv_heads, group, rows)
+    # 4-byte inputs need HIGHEST (else TF32 on a GPU); 2-byte products are exact in float32
+    precision = _HIGHEST if q.dtype.itemsize >= 4 else None
     q_blocks = mask.shape[3]
     chunk_blocks = min(q_blocks, (rows - 1) // block_size + 2)  # query blocks a chunk spans
 
@@ -126,7 +128,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
             allowed &= ((pos >= first) & (pos < n_keys))[None, :]
             if causal:
                 allowed &= pos[None, :] <= row_pos[:, None]
-            s = jnp.einsum("bhgqd,bhkd->bhgqk", q_rows, keys, precision=_HIGHEST,
+            s = jnp.einsum("bhgqd,bhkd->bhgqk", q_rows, keys, precision=precision,
                            preferred_element_type=jnp.float32)
             s = jnp.where(allowed, s * jnp.float32(scale), -jnp.inf)
             new_max = jnp.maximum(run_max, s.max(axis=-1))
@@ -135,7 +137,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
             rescale = jnp.exp(run_max - shift)
             finite = jnp.isfinite(values)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype),
-                            jnp.where(finite, values, 0), precision=_HIGHEST,
+                            jnp.where(finite, values, 0), precision=precision,
                             preferred_element_type=jnp.float32)
             bad_key = ~finite.all(axis=-1)[:, :, None, None, :]  # [B, Hkv, 1, 1, tile]
             return (new_max, run_sum * rescale + p.sum(axis=-1),
