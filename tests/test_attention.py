@@ -22,6 +22,17 @@ F32_TOL = dict(rtol=2e-5, atol=2e-5)  # outputs are averages of N(0, 1) values
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)  # bf16 weights and output, against float64
 
 
+def attend(q, k, v, mask, **kwargs):
+    """`xattn_jax.block_sparse_attention`, impl="reference" unless told: these tests check
+    the reference at shapes a kernel may refuse (`TestGpu` runs impl="auto")."""
+    return xattn_jax.block_sparse_attention(q, k, v, mask, **{"impl": "reference", **kwargs})
+
+
+def xattend(q, k, v, **kwargs):
+    """`xattn_jax.xattention`, impl="reference" unless told."""
+    return xattn_jax.xattention(q, k, v, **{"impl": "reference", **kwargs})
+
+
 def qkv(rand, b, hq, hkv, lq, lk, d, dv=None, dtype=jnp.float32):
     """q `[b, hq, lq, d]`, k `[b, hkv, lk, d]`, v `[b, hkv, lk, dv]`; q and k scaled so
     softmax rows are peaked but not degenerate."""
@@ -61,8 +72,7 @@ def test_matches_numpy_model(case, rand):
     b, hq, hkv, lq, lk, d, dv, bs, causal = CASES[case]
     q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
     mask = mask_for(rand, b, hq, lq, lk, bs)
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs, causal=causal,
-                                                return_lse=True, impl="reference")
+    out, lse = attend(q, k, v, mask, block_size=bs, causal=causal, return_lse=True)
     assert out.shape == (b, hq, lq, dv) and out.dtype == q.dtype
     assert lse.shape == (b, hq, lq) and lse.dtype == jnp.float32
     assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal, rand=rand)
@@ -85,8 +95,8 @@ def test_tiles_and_chunks_change_nothing(tile, rows, rand):
 def test_scale(rand):
     q, k, v = qkv(rand, 1, 2, 1, 20, 40, 8)
     mask = mask_for(rand, 1, 2, 20, 40, 8, empty_rows=0.0)
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=8, scale=0.7,
-                                                return_lse=True)
+    out, lse = attend(q, k, v, mask, block_size=8, scale=0.7,
+                      return_lse=True)
     assert_matches_model(out, lse, q, k, v, mask, block_size=8, causal=True, rand=rand,
                          scale=0.7)
 
@@ -97,8 +107,8 @@ def test_empty_rows_give_zeros_and_minus_inf(rand):
     mask = np.array(mask_for(rand, b, hq, lq, lk, bs, density=0.6, empty_rows=0.0))
     mask[0, 1, 1] = False  # rows 16..31 of head 1
     mask[1] = False  # the whole second batch element
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, jnp.asarray(mask), block_size=bs,
-                                                causal=causal, return_lse=True)
+    out, lse = attend(q, k, v, jnp.asarray(mask), block_size=bs,
+                      causal=causal, return_lse=True)
     out, lse = np.asarray(out), np.asarray(lse)
     for rows in (out[0, 1, 16:32], out[1]):
         assert np.all(rows == 0), rand
@@ -112,8 +122,8 @@ def test_causal_rows_before_their_first_allowed_key(rand):
     blocks all lie after it sees nothing."""
     q, k, v = qkv(rand, 1, 1, 1, 32, 32, 8)
     mask = jnp.asarray([[[[False, True], [False, False]]]])  # rows 0-15 may see keys 16-31
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=16, causal=True,
-                                                return_lse=True)
+    out, lse = attend(q, k, v, mask, block_size=16, causal=True,
+                      return_lse=True)
     assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf), rand
 
 
@@ -122,8 +132,8 @@ def test_all_true_mask_is_dense_attention(causal, rand):
     b, hq, hkv, lq, lk, d = 1, 4, 2, 37, 131, 16
     q, k, v = qkv(rand, b, hq, hkv, lq, lk, d)
     mask = jnp.ones((b, hq, blocks(lq, 16), blocks(lk, 16)), bool)
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=16, causal=causal,
-                                                return_lse=True)
+    out, lse = attend(q, k, v, mask, block_size=16, causal=causal,
+                      return_lse=True)
     assert_matches_model(out, lse, q, k, v, None, block_size=16, causal=causal, rand=rand)
     pairs = npa.allowed_pairs(None, q_len=lq, k_len=lk, block_size=16, causal=causal)
     dense = jax.nn.dot_product_attention(  # [B, L, H, D] layout, GQA by head groups
@@ -137,8 +147,8 @@ def test_bf16(rand):
     b, hq, hkv, lq, lk, d, dv, bs, causal = CASES["gqa-causal-odd"]
     q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv, dtype=jnp.bfloat16)
     mask = mask_for(rand, b, hq, lq, lk, bs)
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs, causal=causal,
-                                                return_lse=True)
+    out, lse = attend(q, k, v, mask, block_size=bs, causal=causal,
+                      return_lse=True)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     # the model reads the same bf16 values, exactly upcast
     assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal, rand=rand,
@@ -149,7 +159,7 @@ def test_reruns_are_bit_identical(rand):
     b, hq, hkv, lq, lk, d, dv, bs, causal = CASES["gqa-causal-odd"]
     q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
     mask = mask_for(rand, b, hq, lq, lk, bs)
-    runs = [xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs, return_lse=True)
+    runs = [attend(q, k, v, mask, block_size=bs, return_lse=True)
             for _ in range(2)]
     for first, second in zip(*runs):
         assert np.asarray(first).tobytes() == np.asarray(second).tobytes(), rand
@@ -166,8 +176,8 @@ def _nan_case(rand):
 
 
 def _run(q, k, v, mask, **kwargs):
-    out, lse = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=16,
-                                                return_lse=True, **kwargs)
+    out, lse = attend(q, k, v, mask, block_size=16,
+                      return_lse=True, **kwargs)
     return np.asarray(out), np.asarray(lse)
 
 
@@ -253,11 +263,11 @@ def test_paged_cache_equals_contiguous(page_size, rand):
         v.reshape(b, hkv, -1, page_size, dv).transpose(0, 2, 3, 1, 4).reshape(
             -1, page_size, hkv, dv))
     for causal in (True, False):
-        want = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs, causal=causal,
-                                                return_lse=True)
-        got = xattn_jax.block_sparse_attention(q, k_pages, v_pages, mask, block_size=bs,
-                                               causal=causal, return_lse=True,
-                                               block_table=table)
+        want = attend(q, k, v, mask, block_size=bs, causal=causal,
+                      return_lse=True)
+        got = attend(q, k_pages, v_pages, mask, block_size=bs,
+                     causal=causal, return_lse=True,
+                     block_table=table)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
                                        err_msg=str(rand))
@@ -275,15 +285,15 @@ def test_k_len_hides_later_keys_without_recompiling(rand):
         k_pad = jnp.where(garbage[:, None], jnp.nan, k)
         v_pad = jnp.where(garbage[:, None], jnp.inf, v)
         for causal in (True, False):
-            out, lse = xattn_jax.block_sparse_attention(
+            out, lse = attend(
                 q, k_pad, v_pad, mask, block_size=bs, causal=causal, return_lse=True,
                 k_len=jnp.int32(n))
             assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal,
                                  rand=rand, n_keys=n)
     assert attn._attention._cache_size() - before == 2  # one per causal value
-    out_int = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs, k_len=40)
-    out_arr = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs,
-                                               k_len=jnp.int32(40))
+    out_int = attend(q, k, v, mask, block_size=bs, k_len=40)
+    out_arr = attend(q, k, v, mask, block_size=bs,
+                     k_len=jnp.int32(40))
     np.testing.assert_array_equal(np.asarray(out_int), np.asarray(out_arr))
 
 
@@ -307,30 +317,30 @@ def test_reference_never_builds_a_query_by_key_array(rows, share):
 def test_xattention_is_estimate_then_attention(causal, rand):
     b, hq, hkv, lq, lk, d, bs, stride = 1, 4, 2, 64, 128, 16, 16, 4
     q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, 8)
-    out, mask = xattn_jax.xattention(q, k, v, threshold=0.8, block_size=bs, stride=stride,
-                                     causal=causal, return_mask=True)
+    out, mask = xattend(q, k, v, threshold=0.8, block_size=bs, stride=stride,
+                        causal=causal, return_mask=True)
     _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.8, block_size=bs,
-                                            stride=stride, causal=causal)
+                                            stride=stride, causal=causal, impl="reference")
     np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask), err_msg=str(rand))
     assert not np.all(np.asarray(mask)), "a mask with nothing dropped tests little"
-    want = xattn_jax.block_sparse_attention(q, k, v, want_mask, block_size=bs, causal=causal)
+    want = attend(q, k, v, want_mask, block_size=bs, causal=causal)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6,
                                err_msg=str(rand))
-    alone = xattn_jax.xattention(q, k, v, threshold=0.8, block_size=bs, stride=stride,
-                                 causal=causal)
+    alone = xattend(q, k, v, threshold=0.8, block_size=bs, stride=stride,
+                    causal=causal)
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(out))
 
 
 def test_xattention_threshold_is_data(rand):
     q, k, v = qkv(rand, 1, 2, 2, 64, 64, 8)
     kwargs = dict(block_size=16, stride=4, return_mask=True)
-    xattn_jax.xattention(q, k, v, threshold=0.9, **kwargs)
+    xattend(q, k, v, threshold=0.9, **kwargs)
     compiled = attn._xattention._cache_size()
-    masks = [np.asarray(xattn_jax.xattention(q, k, v, threshold=t, **kwargs)[1])
+    masks = [np.asarray(xattend(q, k, v, threshold=t, **kwargs)[1])
              for t in (0.3, 0.6, 0.99)]
     assert attn._xattention._cache_size() == compiled
     assert masks[0].sum() < masks[2].sum(), "thresholds must change the mask"
-    per_head = xattn_jax.xattention(q, k, v, threshold=jnp.asarray([0.3, 0.99]), **kwargs)
+    per_head = xattend(q, k, v, threshold=jnp.asarray([0.3, 0.99]), **kwargs)
     assert attn._xattention._cache_size() == compiled
     np.testing.assert_array_equal(np.asarray(per_head[1])[:, 0], masks[0][:, 0])
 
@@ -381,7 +391,7 @@ def test_bad_arguments_raise(name):
     else:
         kwargs[where] = value
     with pytest.raises(ValueError, match=words.replace("[", r"\[")):
-        xattn_jax.block_sparse_attention(*args, **kwargs)
+        attend(*args, **kwargs)
 
 
 def test_paged_arguments_raise():
@@ -390,26 +400,26 @@ def test_paged_arguments_raise():
     pages = jnp.zeros((6, 8, 2, 8))
     table = jnp.zeros((1, 5), jnp.int32)
     with pytest.raises(ValueError, match="v must have k's pages, page size and heads"):
-        xattn_jax.block_sparse_attention(q, pages, jnp.zeros((6, 4, 2, 8)), mask,
-                                         block_table=table, **kwargs)
+        attend(q, pages, jnp.zeros((6, 4, 2, 8)), mask,
+               block_table=table, **kwargs)
     with pytest.raises(ValueError, match="block_table must have one row per batch"):
-        xattn_jax.block_sparse_attention(q, pages, pages, mask,
-                                         block_table=jnp.zeros((2, 5), jnp.int32), **kwargs)
+        attend(q, pages, pages, mask,
+               block_table=jnp.zeros((2, 5), jnp.int32), **kwargs)
     with pytest.raises(ValueError, match="mask must have shape"):  # Lk = 3 pages of 8
-        xattn_jax.block_sparse_attention(q, pages, pages, mask,
-                                         block_table=jnp.zeros((1, 3), jnp.int32), **kwargs)
+        attend(q, pages, pages, mask,
+               block_table=jnp.zeros((1, 3), jnp.int32), **kwargs)
 
 
 def test_xattention_bad_arguments_raise():
     (q, k, v, _), _ = _valid()
     with pytest.raises(ValueError, match="Lk - Lq must be a multiple of block_size"):
-        xattn_jax.xattention(q, k, v, block_size=16, stride=8)
+        xattend(q, k, v, block_size=16, stride=8)
     with pytest.raises(ValueError, match="v must have k's batch, heads and length"):
-        xattn_jax.xattention(q, k, v[:, :, :30], block_size=4, stride=4)
+        xattend(q, k, v[:, :, :30], block_size=4, stride=4)
     with pytest.raises(ValueError, match="threshold must lie in"):
-        xattn_jax.xattention(q, k, v, block_size=4, stride=4, threshold=1.5)
+        xattend(q, k, v, block_size=4, stride=4, threshold=1.5)
     with pytest.raises(ValueError, match="norm must be"):
-        xattn_jax.xattention(q, k, v, block_size=4, stride=4, norm=0.0)
+        xattend(q, k, v, block_size=4, stride=4, norm=0.0)
 
 
 # --- implementation choice -------------------------------------------------------------
@@ -419,7 +429,7 @@ def test_mosaic_refused_where_unavailable():
     if attn._mosaic_unavailable(attn._platform(args[0]), False)[0] is not None:
         pytest.skip("the Mosaic kernel runs here")
     with pytest.raises(ValueError, match="impl='mosaic' needs"):
-        xattn_jax.block_sparse_attention(*args, impl="mosaic", **kwargs)
+        attend(*args, impl="mosaic", **kwargs)
 
 
 @pytest.fixture
@@ -453,3 +463,39 @@ def test_impl_choice(fake_mosaic):
     assert attn._attention_impl("auto", "gpu") is ref
     with pytest.raises(ValueError, match="sm_90"):
         attn._attention_impl("mosaic", "gpu")
+
+
+# --- on a GPU: the chosen implementation (the Mosaic kernel on Hopper) at kernel shapes --
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+class TestGpu:
+    @pytest.mark.parametrize("lq,lk", [(2048, 2048), (1024, 4096)])
+    def test_auto_matches_reference(self, lq, lk, rand):
+        q, k, v = qkv(rand, 1, 8, 2, lq, lk, 128, dtype=jnp.bfloat16)
+        mask = mask_for(rand, 1, 8, lq, lk, 128, density=0.3, empty_rows=0.1)
+        got = attend(q, k, v, mask, block_size=128, return_lse=True, impl="auto")
+        want = attend(q, k, v, mask, block_size=128, return_lse=True)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                       err_msg=str(rand), **BF16_TOL)
+
+    def test_dense_matches_cudnn(self, rand):
+        b, hq, hkv, length, d = 1, 8, 2, 4096, 128
+        q, k, v = qkv(rand, b, hq, hkv, length, length, d, dtype=jnp.bfloat16)
+        everything = jnp.ones((b, hq, length // 128, length // 128), bool)
+        out = attend(q, k, v, everything, block_size=128, impl="auto")
+        dense = jax.nn.dot_product_attention(
+            *(x.transpose(0, 2, 1, 3) for x in (q, k, v)), is_causal=True,
+            implementation="cudnn").transpose(0, 2, 1, 3)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(dense, np.float32),
+                                   err_msg=str(rand), **BF16_TOL)
+
+    def test_xattention(self, rand):
+        q, k, v = qkv(rand, 1, 8, 2, 4096, 4096, 128, dtype=jnp.bfloat16)
+        out, mask = xattend(q, k, v, threshold=0.9, return_mask=True, impl="auto")
+        _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.9)
+        np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask))
+        want = attend(q, k, v, want_mask, block_size=128, impl="auto")
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                                   err_msg=str(rand), **BF16_TOL)
