@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench.attention import Sizes, attention_flops, impl_label, structured_qkv
 from bench.common import gpu_name, log, time_ms, today, versions
