@@ -426,9 +426,9 @@ def test_xattention_bad_arguments_raise():
 
 def test_mosaic_refused_where_unavailable():
     args, kwargs = _valid()
-    if attn._mosaic_unavailable(attn._platform(args[0]), False)[0] is not None:
+    if attn._mosaic_kernel(attn._platform(args[0]), False)[0] is not None:
         pytest.skip("the Mosaic kernel runs here")
-    with pytest.raises(ValueError, match="impl='mosaic' needs"):
+    with pytest.raises(ValueError, match="impl='mosaic' is unavailable here"):
         attend(*args, impl="mosaic", **kwargs)
 
 
@@ -455,7 +455,7 @@ def test_impl_choice(fake_mosaic):
     assert attn._attention_impl("reference", "gpu") is ref
     assert attn._attention_impl("auto", "cpu") is ref
     assert attn._attention_impl("auto", "gpu", uses_cache=True) is ref
-    with pytest.raises(ValueError, match="without k_len"):
+    with pytest.raises(ValueError, match="neither k_len nor a paged cache"):
         attn._attention_impl("mosaic", "gpu", uses_cache=True)
     with pytest.raises(ValueError, match="on a GPU"):
         attn._attention_impl("mosaic", "cpu")

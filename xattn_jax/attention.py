@@ -37,21 +37,21 @@ def _platform(x) -> str:
         return jax.default_backend()
 
 
-def _mosaic_unavailable(platform: str, uses_cache: bool) -> tuple[object, str | None]:
-    """(module, None) where the Mosaic attention kernel can run this call, else
-    (None, what it needs)."""
+def _mosaic_kernel(platform: str, uses_cache: bool) -> tuple[object, str | None]:
+    """(the module xattn_jax.mosaic.attention, None) where its kernel can run this call,
+    else (None, why not)."""
     try:
         from xattn_jax.mosaic import attention as mosaic
     except ImportError as err:
-        return None, f"the module xattn_jax.mosaic.attention, which did not import ({err})"
+        return None, f"xattn_jax.mosaic.attention did not import ({err})"
     if platform != "gpu":
-        return None, f"inputs on a GPU (they are on the {platform})"
+        return None, f"it needs inputs on a GPU (they are on the {platform})"
     why = mosaic.available()
     if why is not None:
         return None, why
     params = inspect.signature(mosaic.block_sparse_attention).parameters
     if uses_cache and not all(name in params for name in _CACHE_ARGS):
-        return None, "contiguous k and v without k_len (its kernel takes no paged cache)"
+        return None, "its kernel takes neither k_len nor a paged cache"
     return mosaic, None
 
 
@@ -65,11 +65,12 @@ def _attention_impl(impl: str, platform: str, uses_cache: bool = False):
                          "'reference' or 'mosaic'")
     if impl == "reference":
         return reference.block_sparse_attention
-    mosaic, why = _mosaic_unavailable(platform, uses_cache)
+    mosaic, why = _mosaic_kernel(platform, uses_cache)
     if mosaic is not None:
         return mosaic.block_sparse_attention
     if impl == "mosaic":
-        raise ValueError(f"impl='mosaic' needs {why}; use impl='auto' or 'reference'")
+        raise ValueError(f"impl='mosaic' is unavailable here: {why}; use impl='auto' or "
+                         "'reference'")
     return reference.block_sparse_attention
 
 
