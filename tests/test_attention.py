@@ -78,7 +78,7 @@ def test_matches_numpy_model(case, rand):
     assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal, rand=rand)
 
 
-@pytest.mark.parametrize("tile,rows", [(16, 10), (48, 7), (131, 37), (7, 36)])
+@pytest.mark.parametrize("tile,rows", [(16, 10), (48, 7), (131, 37), (7, 36), (500, 99)])
 def test_tiles_and_chunks_change_nothing(tile, rows, rand):
     """Several key tiles and query chunks, the last of each clamped (overlapping the one
     before it), tiles that are not whole blocks: the same results as the model."""

@@ -75,7 +75,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
       k_len: keys in use, Lq <= k_len <= Lk: None (all), an int or an int32 scalar array
         (may be traced). Later keys are never visible, whatever they hold.
       key_tile_size / query_chunk_size: keys per step and query rows per chunk (default
-        `key_tile` and `query_chunk`); they change no result beyond float rounding.
+        `key_tile` and `query_chunk`; at most Lk and Lq); they change no result beyond
+        float rounding.
 
     Returns:
       out `[B, Hq, Lq, Dv]` in q's dtype, and with `return_lse` the float32 `[B, Hq, Lq]`
@@ -97,8 +98,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     group, v_dim = q_heads // kv_heads, v.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     n_keys = capacity if k_len is None else jnp.asarray(k_len, jnp.int32)
-    tile = key_tile_size or key_tile(block_size, capacity)
-    rows = query_chunk_size or query_chunk(batch, q_heads, q_len, tile)
+    tile = min(capacity, key_tile_size or key_tile(block_size, capacity))
+    rows = min(q_len, query_chunk_size or query_chunk(batch, q_heads, q_len, tile))
     q = q.reshape(batch, kv_heads, group, q_len, head_dim)
     mask = mask.reshape(batch, kv_heads, group, *mask.shape[2:])
     lead = (batch, kv_heads, group, rows)
