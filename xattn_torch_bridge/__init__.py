@@ -6,6 +6,9 @@ Public API:
   can be handed over in this process.
 - `xattn_estimate(q, k, **kwargs)`: `xattn_jax.xattn_estimate` on torch tensors
   (`xattn_torch_bridge.estimate`).
+- `block_sparse_attention(q, k, v, mask, **kwargs)` and `xattention(q, k, v, **kwargs)`:
+  `xattn_jax`'s attention on a block mask and XAttention end to end, on torch tensors
+  (`xattn_torch_bridge.attention`).
 - `xattn_torch_bridge.reference`: an independent pure-torch reference of ESTIMATE.md
   sections 1-5.
 
@@ -62,13 +65,14 @@ def _warn_if_preallocated() -> None:
 _warn_if_preallocated()
 
 from xattn_torch_bridge import reference  # noqa: E402
+from xattn_torch_bridge.attention import block_sparse_attention, xattention  # noqa: E402
 from xattn_torch_bridge.dlpack import cuda_available, to_jax, to_torch  # noqa: E402
 from xattn_torch_bridge.estimate import xattn_estimate  # noqa: E402
 from xattn_torch_bridge.kv_cache import PagedKVCache  # noqa: E402
 from xattn_torch_bridge.policy import XAttentionPolicy  # noqa: E402
 
-__all__ = ["PagedKVCache", "XAttentionPolicy", "cuda_available", "reference", "to_jax",
-           "to_torch", "xattn_estimate"]
+__all__ = ["PagedKVCache", "XAttentionPolicy", "block_sparse_attention", "cuda_available",
+           "reference", "to_jax", "to_torch", "xattention", "xattn_estimate"]
 
 
 def __dir__() -> list[str]:

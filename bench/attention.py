@@ -1,0 +1,230 @@
+"""Times block-sparse attention and XAttention on the GPU against cuDNN and the FLOP floor.
+
+    python -m bench.attention [--cases NAME,...|all] [--impl auto|reference|mosaic]
+                              [--json PATH] [--smoke]
+    python -m bench.attention --quality [--md PATH] [--png PATH] [--smoke]
+
+Speed rows (bf16, B = 1, Hq = 32 reading Hkv = 8 in place, D = Dv = 128, block 128,
+Lq = Lk, causal; median device time per call, `bench.common.time_ms`):
+- `cudnn-causal-{16k,64k,128k}` (impl "cudnn"): dense causal attention,
+  `jax.nn.dot_product_attention(implementation="cudnn")` in its `[B, L, H, D]` layout
+  (inputs transposed outside the timed region; cuDNN reads the GQA heads itself).
+- `attention-dense-causal-{16k,64k}`: `block_sparse_attention` on an all-true mask.
+- `attention-d{0.1,0.25,0.5}-causal-{16k,64k}`: on random masks keeping each causally
+  visible block with probability d, the diagonal block always.
+- `xattention-causal-128k`: `xattention` (estimate + attention, threshold 0.9, stride 8)
+  on the structured synthetic data of `xattn_jax.demo.synthetic` (8 heads, each query
+  head repeated to its 4 GQA query heads), v random.
+floor_ms: 4 * D * (visible allowed (query, key) pairs, summed over heads) FLOPs at the
+measured 753 TFLOP/s, plus the strided product's FLOPs for xattention; `density`: the
+visible allowed pairs over all visible pairs; extra_mib: XLA's outputs plus temporaries.
+`--quality`: `bench.attention_quality` (error, density and speed-up over thresholds and
+strides). `--smoke` shrinks every size to run on a CPU in seconds (times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import (MATMUL_FLOPS, floor_ms, jax_extra_mib, log,  # noqa: E402
+                          markdown_table, record, strided_flops, time_ms, write_json)
+from xattn_jax import attention, block_sparse_attention, xattention  # noqa: E402
+from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
+
+THRESHOLD = 0.9
+DENSITIES = (0.1, 0.25, 0.5)
+REPS = {"16k": 20, "64k": 10, "128k": 5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 128
+    stride: int = 8
+    lengths: tuple = (("16k", 16384), ("64k", 65536), ("128k", 131072))
+    quality_length: int = 16384
+
+    def length(self, name: str) -> int:
+        return dict(self.lengths)[name]
+
+
+FULL = Sizes()
+SMOKE = Sizes(q_heads=4, kv_heads=2, head_dim=32, block_size=32,
+              lengths=(("16k", 256), ("64k", 512), ("128k", 1024)), quality_length=512)
+
+
+def _cases() -> dict[str, tuple[str, str, float | None]]:
+    """name -> (kind, length name, mask density)."""
+    cases = {f"cudnn-causal-{n}": ("cudnn", n, None) for n in ("16k", "64k", "128k")}
+    cases.update({f"attention-dense-causal-{n}": ("sparse", n, 1.0) for n in ("16k", "64k")})
+    cases.update({f"attention-d{d}-causal-{n}": ("sparse", n, d)
+                  for d in DENSITIES for n in ("16k", "64k")})
+    cases["xattention-causal-128k"] = ("xattention", "128k", None)
+    return cases
+
+
+CASES = _cases()
+
+
+# --- inputs and FLOPs ------------------------------------------------------------------
+
+def random_qkv(length: int, sz: Sizes, seed: int = 0):
+    """bf16 q `[1, Hq, L, D]`, k and v `[1, Hkv, L, D]`, standard normal."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    shapes = ((1, sz.q_heads, length, sz.head_dim),) + ((1, sz.kv_heads, length,
+                                                         sz.head_dim),) * 2
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys,
+                                                                                  shapes))
+
+
+def structured_qkv(length: int, sz: Sizes, dtype=jnp.bfloat16, seed: int = 0):
+    """The demo's structured q and k (Hkv heads; each query head repeated to its GQA
+    group) and random v, in `dtype`."""
+    data = structured_qk(seed, heads=sz.kv_heads, length=length, head_dim=sz.head_dim)
+    q = jnp.repeat(data.q, sz.q_heads // sz.kv_heads, axis=1)
+    v = jax.random.normal(jax.random.PRNGKey(seed + 1), data.k.shape, jnp.float32)
+    return q.astype(dtype), data.k.astype(dtype), v.astype(dtype)
+
+
+def causal_mask(length: int, sz: Sizes, density: float, seed: int = 0) -> jax.Array:
+    """bool `[1, Hq, n, n]` (n = L / block): each causally visible block kept with
+    probability `density`, the diagonal always; all true for density 1."""
+    n = -(-length // sz.block_size)
+    if density >= 1.0:
+        return jnp.ones((1, sz.q_heads, n, n), bool)
+    draw = jax.random.uniform(jax.random.PRNGKey(seed), (1, sz.q_heads, n, n)) < density
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    return (draw | (i == j)) & (j <= i)
+
+
+def _clamped_sums(y: np.ndarray, n: int) -> np.ndarray:
+    """sum_{u=0}^{y} min(u, n) for integer y (0 for y < 0), elementwise."""
+    y = np.maximum(y, -1)
+    low = np.minimum(y, n)
+    return low * (low + 1) // 2 + np.maximum(y - n, 0) * n
+
+
+def block_pairs(q_len: int, k_len: int, block_size: int, causal: bool) -> np.ndarray:
+    """int64 `[qb, kb]`: the (query row, key) pairs of each block that the causal rule
+    lets through (queries at the last Lq key positions)."""
+    qb, kb = -(-q_len // block_size), -(-k_len // block_size)
+    start_i = np.arange(qb) * block_size
+    rows = np.minimum(start_i + block_size, q_len) - start_i
+    start_j = np.arange(kb) * block_size
+    cols = np.minimum(start_j + block_size, k_len) - start_j
+    if not causal:
+        return np.outer(rows, cols).astype(np.int64)
+    # row i sees min(max(i + off + 1 - start_j, 0), cols) keys of block J
+    first = start_i[:, None] + (k_len - q_len) + 1 - start_j[None, :]
+    return (_clamped_sums(first + rows[:, None] - 1, cols[None, :])
+            - _clamped_sums(first - 1, cols[None, :]))
+
+
+def attention_flops(mask, q_len: int, k_len: int, sz: Sizes) -> tuple[float, float]:
+    """(FLOPs of the allowed visible pairs, their share of all visible pairs)."""
+    pairs = block_pairs(q_len, k_len, sz.block_size, causal=True)
+    allowed = float((np.asarray(mask) * pairs).sum())
+    visible = float(pairs.sum()) * mask.shape[0] * mask.shape[1]
+    return 4.0 * sz.head_dim * allowed, allowed / visible
+
+
+def impl_label(impl: str) -> str:
+    """Which attention `impl` runs on JAX's default device, for the records."""
+    fn = attention._attention_impl(impl, jax.default_backend())
+    return "mosaic" if fn.__module__.startswith("xattn_jax.mosaic") else "reference"
+
+
+# --- cases -----------------------------------------------------------------------------
+
+def run_case(name: str, sz: Sizes, impl: str) -> dict:
+    kind, length_name, density = CASES[name]
+    length, reps = sz.length(length_name), REPS[length_name]
+    extra = {}
+    if kind == "cudnn":
+        dense_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in random_qkv(length, sz))
+
+        def fn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                implementation=dense_impl)
+
+        args, label = (q, k, v), dense_impl
+        flops = 4.0 * sz.head_dim * sz.q_heads * length * (length + 1) / 2
+    elif kind == "sparse":
+        q, k, v = random_qkv(length, sz)
+        mask = causal_mask(length, sz, density)
+
+        def fn(q, k, v, mask):
+            return block_sparse_attention(q, k, v, mask, block_size=sz.block_size,
+                                          causal=True, impl=impl)
+
+        args, label = (q, k, v, mask), f"xattn-jax/{impl_label(impl)}"
+        flops, extra["density"] = attention_flops(mask, length, length, sz)
+    else:
+        q, k, v = structured_qkv(length, sz)
+
+        def fn(q, k, v):
+            return xattention(q, k, v, threshold=THRESHOLD, block_size=sz.block_size,
+                              stride=sz.stride, causal=True, impl=impl)
+
+        args, label = (q, k, v), f"xattn-jax/{impl_label(impl)}"
+        _, mask = xattention(*args, threshold=THRESHOLD, block_size=sz.block_size,
+                             stride=sz.stride, causal=True, impl=impl, return_mask=True)
+        flops, extra["density"] = attention_flops(mask, length, length, sz)
+        flops += strided_flops(sz.q_heads, length, length, sz.stride, sz.head_dim, True)
+        extra["threshold"] = THRESHOLD
+    ms = time_ms(fn, [args], warmup=2, reps=reps)
+    floor = floor_ms(flops)
+    row = record(name, label, ms, floor, jax_extra_mib(fn, *args)) | extra
+    log(f"{name}: {ms:.3f} ms, {ms / floor:.2f} x floor "
+        f"({flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s useful, {MATMUL_FLOPS / 1e12:.0f} the "
+        f"ceiling), {row['extra_mib']:.0f} MiB"
+        + (f", density {extra['density']:.3f}" if "density" in extra else ""))
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="all",
+                        help="comma-separated names, or 'all'; names: " + ", ".join(CASES))
+    parser.add_argument("--impl", default="auto", choices=("auto", "reference", "mosaic"),
+                        help="the attention's implementation (default auto)")
+    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--quality", action="store_true",
+                        help="the quality sweep instead (bench.attention_quality)")
+    parser.add_argument("--md", help="--quality: the report's path")
+    parser.add_argument("--png", help="--quality: the plot's path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, to check on a CPU that everything runs")
+    args = parser.parse_args(argv)
+    sz = SMOKE if args.smoke else FULL
+    if args.quality:
+        from bench import attention_quality
+        attention_quality.run(sz, args.impl, smoke=args.smoke, md=args.md, png=args.png)
+        return
+    names = list(CASES) if args.cases == "all" else args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    records = []
+    for i, name in enumerate(names):
+        log(f"[{i + 1}/{len(names)}] {name}")
+        records.append(run_case(name, sz, args.impl))
+        if args.json:  # after every case, so a cut-short run keeps what it measured
+            write_json(args.json, records)
+    print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
+    print(markdown_table(records))
+
+
+if __name__ == "__main__":
+    main()

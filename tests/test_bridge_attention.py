@@ -1,0 +1,160 @@
+"""xattn_torch_bridge.block_sparse_attention and .xattention: the results of xattn_jax's,
+for torch tensors, through the zero-copy hand-off.
+
+The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
+(`pytest -m gpu tests/test_bridge_attention.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import xattn_jax  # noqa: E402
+
+import xattn_torch_bridge as bridge  # noqa: E402
+from test_bridge_estimate import jax_of, needs_cuda  # noqa: E402
+
+# (B, Hq, Hkv, Lq, Lk, D, Dv), block_size
+SHAPE, BLOCK = (1, 4, 2, 40, 96, 16, 8), 16
+
+
+def qkv_mask(rand, dtype=torch.float32, device="cpu", shape=SHAPE):
+    b, hq, hkv, lq, lk, d, dv = shape
+    normal = rand.rng.standard_normal
+    q = torch.from_numpy(normal((b, hq, lq, d)) * 1.5).to(dtype).to(device)
+    k = torch.from_numpy(normal((b, hkv, lk, d)) * 1.5).to(dtype).to(device)
+    v = torch.from_numpy(normal((b, hkv, lk, dv))).to(dtype).to(device)
+    blocks = (b, hq, -(-lq // BLOCK), -(-lk // BLOCK))
+    mask = torch.from_numpy(rand.rng.random(blocks) < 0.5).clone().to(device)  # aligned
+    return q, k, v, mask
+
+
+def assert_same(bridged, plain, rand):
+    for got, want in zip(bridged, plain):
+        assert isinstance(got, torch.Tensor)
+        values = got.cpu().float().numpy() if got.dtype == torch.bfloat16 else got.cpu().numpy()
+        np.testing.assert_array_equal(values, np.asarray(want, values.dtype), err_msg=str(rand))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_block_sparse_attention_matches_xattn_jax(dtype, rand):
+    q, k, v, mask = qkv_mask(rand, dtype)
+    out, lse = bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK, return_lse=True)
+    assert out.dtype == dtype and out.device.type == "cpu" and lse.dtype == torch.float32
+    want = xattn_jax.block_sparse_attention(*(jax_of(t) for t in (q, k, v, mask)),
+                                            block_size=BLOCK, return_lse=True)
+    assert_same((out, lse), want, rand)
+    alone = bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK)
+    assert_same((alone,), want[:1], rand)
+
+
+def test_paged_cache_with_tensor_k_len(rand):
+    """A paged cache and block table as torch tensors, k_len a 0-d int32 tensor."""
+    b, hq, hkv, lq, lk, d, dv = SHAPE
+    q, k, v, mask = qkv_mask(rand)
+    page = 8
+    per_seq = lk // page
+    order = torch.from_numpy(rand.rng.permutation(per_seq + 2)[:per_seq].reshape(1, -1))
+    table = order.to(torch.int32)
+    k_pool = torch.full((per_seq + 2, page, hkv, d), float("nan"))
+    v_pool = torch.full((per_seq + 2, page, hkv, dv), float("nan"))
+    k_pool[order[0]] = k[0].reshape(hkv, per_seq, page, d).permute(1, 2, 0, 3)
+    v_pool[order[0]] = v[0].reshape(hkv, per_seq, page, dv).permute(1, 2, 0, 3)
+    kwargs = dict(block_size=BLOCK, return_lse=True, causal=True)
+    got = bridge.block_sparse_attention(q, k_pool, v_pool, mask, block_table=table,
+                                        k_len=torch.tensor(70, dtype=torch.int32), **kwargs)
+    want = xattn_jax.block_sparse_attention(*(jax_of(t) for t in (q, k, v, mask)),
+                                            k_len=70, **kwargs)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), np.asarray(w), rtol=1e-6, atol=1e-6,
+                                   err_msg=str(rand))
+
+
+def test_xattention_matches_xattn_jax(rand):
+    b, hq, hkv, lq, lk, d, dv = SHAPE
+    q, k, v, _ = qkv_mask(rand, shape=(b, hq, hkv, 64, 128, d, dv))
+    kwargs = dict(block_size=BLOCK, stride=4, return_mask=True)
+    out, mask = bridge.xattention(q, k, v, threshold=torch.tensor([0.5, 0.7, 0.9, 0.95]),
+                                  **kwargs)
+    assert mask.dtype == torch.bool and out.device.type == "cpu"
+    want = xattn_jax.xattention(*(jax_of(t) for t in (q, k, v)),
+                                threshold=[0.5, 0.7, 0.9, 0.95], **kwargs)
+    assert_same((out, mask), want, rand)
+
+
+def test_grad_inputs_are_detached(rand):
+    q, k, v, mask = qkv_mask(rand)
+    got = bridge.block_sparse_attention(q.requires_grad_(), k, v.requires_grad_(), mask,
+                                        block_size=BLOCK)
+    assert not got.requires_grad
+    assert_same((got,), (bridge.block_sparse_attention(q.detach(), k, v.detach(), mask,
+                                                       block_size=BLOCK),), rand)
+
+
+def test_non_contiguous_needs_copy(rand):
+    q, k, v, mask = qkv_mask(rand)
+    v_t = v.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
+    with pytest.raises(ValueError, match="v is not contiguous"):
+        bridge.block_sparse_attention(q, k, v_t, mask, block_size=BLOCK)
+    with pytest.raises(ValueError, match="v is not contiguous"):
+        bridge.xattention(q, k, v_t, block_size=BLOCK, stride=4, causal=False)
+    got = bridge.block_sparse_attention(q, k, v_t, mask, block_size=BLOCK, copy=True)
+    assert_same((got,), (bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK),),
+                rand)
+
+
+def test_argument_errors_name_the_argument(rand):
+    q, k, v, mask = qkv_mask(rand)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        bridge.block_sparse_attention(q, k, v, mask.float(), block_size=BLOCK)
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor"):
+        bridge.block_sparse_attention(q, k, v, mask.numpy(), block_size=BLOCK)
+    with pytest.raises(ValueError, match="k_len must lie in"):
+        bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK, k_len=10)
+
+
+def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
+    """CPU tensors where JAX's default backend is a GPU (simulated off a GPU) run on JAX's
+    CPU device with the references; "mosaic" is refused."""
+    if jax.default_backend() == "cpu":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v, _ = qkv_mask(rand, shape=(1, 4, 2, 64, 128, 16, 8))
+    kwargs = dict(block_size=BLOCK, stride=4, return_mask=True)
+    out, mask = bridge.xattention(q, k, v, **kwargs)
+    want = xattn_jax.xattention(*(jax_of(t) for t in (q, k, v)), impl="reference", **kwargs)
+    assert_same((out, mask), want, rand)
+    with pytest.raises(ValueError, match="impl='mosaic' is unavailable here"):
+        bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK, impl="mosaic")
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestCuda:
+    def test_xattention_on_gpu(self, rand):
+        q, k, v, _ = qkv_mask(rand, torch.bfloat16, "cuda", shape=(1, 8, 2, 1024, 2048, 64,
+                                                                    64))
+        kwargs = dict(block_size=128, stride=8, causal=True, return_mask=True)
+        out, mask = bridge.xattention(q, k, v, **kwargs)
+        assert out.device == q.device and mask.device == q.device
+        assert_same((out, mask), xattn_jax.xattention(*(jax_of(t) for t in (q, k, v)),
+                                                      **kwargs), rand)
+
+    def test_values_written_on_a_side_stream(self, rand):
+        """v written on a side stream after a long sleep: the attention sees it (q's view
+        carries the stream order for all)."""
+        q, k, v_src, mask = qkv_mask(rand, torch.bfloat16, "cuda",
+                                     shape=(1, 4, 2, 512, 512, 64, 64))
+        expected = bridge.block_sparse_attention(q, k, v_src, mask, block_size=BLOCK).clone()
+        v = torch.zeros_like(v_src)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1 << 29)
+            v.copy_(v_src)
+            out = bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK).clone()
+        side.synchronize()
+        assert torch.equal(out, expected)

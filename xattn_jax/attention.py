@@ -1,0 +1,260 @@
+"""Public block-sparse attention (ESTIMATE.md section 6) and XAttention end to end.
+
+`block_sparse_attention` runs attention over the key blocks of a block mask;
+`xattention` is the estimate (`xattn_estimate`) and then that attention on its mask, in one
+jitted call.
+
+`impl`: "reference" is the plain-JAX reference (`xattn_jax.reference.attention`, memory-
+lean, any GPU or the CPU); "mosaic" the Hopper kernel `xattn_jax.mosaic.attention`;
+"auto" the Mosaic kernel where it is installed and usable on the inputs' device, else the
+reference. There is no Triton-backend attention kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xattn_jax import reference
+from xattn_jax.api import xattn_estimate
+from xattn_jax.geometry import Geometry, check_norm, check_qk, threshold_per_head
+from xattn_jax.kv_blocks import _paged_view
+
+IMPLS = ("auto", "reference", "mosaic", "triton")
+_CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
+
+
+def _platform(x) -> str:
+    """The platform ("cpu", "gpu") of a concrete array; JAX's default inside a trace."""
+    try:
+        return next(iter(x.devices())).platform
+    except (AttributeError, jax.errors.ConcretizationTypeError):
+        return jax.default_backend()
+
+
+def _mosaic_kernel(platform: str, uses_cache: bool) -> tuple[object, str | None]:
+    """(the module xattn_jax.mosaic.attention, None) where its kernel can run this call,
+    else (None, why not)."""
+    try:
+        from xattn_jax.mosaic import attention as mosaic
+    except ImportError as err:
+        return None, f"xattn_jax.mosaic.attention did not import ({err})"
+    if platform != "gpu":
+        return None, f"it needs inputs on a GPU (they are on the {platform})"
+    why = mosaic.available()
+    if why is not None:
+        return None, why
+    params = inspect.signature(mosaic.block_sparse_attention).parameters
+    if uses_cache and not all(name in params for name in _CACHE_ARGS):
+        return None, "its kernel takes neither k_len nor a paged cache"
+    return mosaic, None
+
+
+def _attention_impl(impl: str, platform: str, uses_cache: bool = False):
+    """The attention function for `impl` on inputs on `platform`: one with the signature
+    of `reference.block_sparse_attention` (k_len and block_table passed only when given)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "triton":
+        raise ValueError("impl='triton': no Triton-backend attention kernel yet; use "
+                         "'reference' or 'mosaic'")
+    if impl == "reference":
+        return reference.block_sparse_attention
+    mosaic, why = _mosaic_kernel(platform, uses_cache)
+    if mosaic is not None:
+        return mosaic.block_sparse_attention
+    if impl == "mosaic":
+        raise ValueError(f"impl='mosaic' is unavailable here: {why}; use impl='auto' or "
+                         "'reference'")
+    return reference.block_sparse_attention
+
+
+# --- argument checks -------------------------------------------------------------------
+
+def _check_block_size(block_size) -> int:
+    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) \
+            or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    return int(block_size)
+
+
+def _check_scale(scale) -> float | None:
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+    return float(scale)
+
+
+def _check_v(v, k, block_table) -> None:
+    """v: k's layout (contiguous `[B, Hkv, Lk, Dv]` or paged `[num_pages, page_size, Hkv,
+    Dv]`) and dtype; only its last dimension may differ from k's."""
+    if getattr(v, "ndim", None) != 4:
+        layout = "[num_pages, page_size, Hkv, Dv]" if block_table is not None \
+            else "[batch, kv_heads, length, Dv]"
+        raise ValueError(f"v must have rank 4 {layout}, got shape {getattr(v, 'shape', None)}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
+    if v.shape[:3] != k.shape[:3] or v.shape[3] < 1:
+        what = "pages, page size and heads" if block_table is not None \
+            else "batch, heads and length"
+        raise ValueError(f"v must have k's {what} {tuple(k.shape[:3])} (only its last "
+                         f"dimension Dv may differ), got shape {tuple(v.shape)}")
+
+
+def _check_mask(mask, geom: Geometry, block_size: int) -> None:
+    want = (geom.batch, geom.q_heads, -(-geom.q_len // block_size),
+            -(-geom.k_len // block_size))
+    if getattr(mask, "dtype", None) != jnp.bool_:
+        raise ValueError(f"mask must be bool, got {getattr(mask, 'dtype', type(mask))}")
+    if tuple(mask.shape) != want:
+        raise ValueError(f"mask must have shape [B, Hq, ceil(Lq/block_size), "
+                         f"ceil(Lk/block_size)] = {want}, got {tuple(mask.shape)}")
+
+
+def _key_count(k_len, geom: Geometry):
+    """k_len as None or an int32 scalar; an int must lie in [Lq, Lk]."""
+    if k_len is None:
+        return None
+    if isinstance(k_len, (int, np.integer)) and not isinstance(k_len, bool):
+        if not geom.q_len <= k_len <= geom.k_len:
+            raise ValueError(f"k_len must lie in [Lq, Lk] = [{geom.q_len}, {geom.k_len}] (the "
+                             f"queries are the last Lq of the k_len keys), got {k_len}")
+    elif not isinstance(k_len, jax.Array) or k_len.ndim or \
+            not jnp.issubdtype(k_len.dtype, jnp.integer):
+        raise ValueError(f"k_len must be None, an int or an integer scalar jax.Array, got "
+                         f"{k_len!r}")
+    return jnp.asarray(k_len, jnp.int32)
+
+
+def _check_attention(q, k, v, block_size, block_table) -> Geometry:
+    """Checks q, k, v (and the block table); the geometry with k's contiguous length."""
+    block_size = _check_block_size(block_size)
+    keys = k if block_table is None else _paged_view(q, k, block_table)
+    # stride 1 and causal=False: the attention has neither a stride nor an alignment rule
+    geom = check_qk(q, keys, stride=1, block_size=block_size, causal=False)
+    _check_v(v, k, block_table)
+    return geom
+
+
+# --- entry points ----------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("attend", "block_size", "causal", "scale",
+                                             "return_lse"))
+def _attention(q, k, v, mask, key_count, block_table, *, attend, block_size: int,
+               causal: bool, scale: float | None, return_lse: bool):
+    cache = {name: x for name, x in zip(_CACHE_ARGS, (key_count, block_table))
+             if x is not None}
+    return attend(q, k, v, mask, block_size=block_size, causal=causal, scale=scale,
+                  return_lse=return_lse, **cache)
+
+
+def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                           block_size: int, causal: bool = True, scale: float | None = None,
+                           return_lse: bool = False, k_len=None, block_table=None,
+                           impl: str = "auto"):
+    """Softmax attention over the key blocks `mask` allows (ESTIMATE.md section 6), jitted.
+
+    Args:
+      q: queries `[B, Hq, Lq, D]`: query row i sits at key position `n - Lq + i`, n being
+        the number of keys in use (`k_len`, default Lk): the chunk of queries at the end of
+        the keys.
+      k, v: keys `[B, Hkv, Lk, D]` and values `[B, Hkv, Lk, Dv]`, q's dtype (float32,
+        bfloat16 or float16), Lq <= Lk, Hq % Hkv == 0: query head h reads key head
+        h // (Hq // Hkv), without copies. Or, with `block_table`, paged caches.
+      mask: bool `[B, Hq, ceil(Lq / block_size), ceil(Lk / block_size)]`, as
+        `xattn_estimate` returns it: row i may attend to key j iff
+        mask[b, h, i // block_size, j // block_size], j < n and, if `causal`,
+        j <= i + n - Lq. Any lengths: blocks need not line up with the chunk.
+      block_size: tokens per mask block.
+      scale: multiplies q.k before the softmax; default 1 / sqrt(D).
+      return_lse: also return the float32 `[B, Hq, Lq]` log-sum-exp (natural log).
+      k_len: keys in use, Lq <= k_len <= Lk, for a padded or paged cache: None (all), an
+        int, or an int32 scalar jax.Array (traced values do not recompile; keeping them in
+        range is the caller's part). Keys from k_len on are never visible.
+      block_table: int32 `[B, pages_per_seq]`: k and v are then paged caches
+        `[num_pages, page_size, Hkv, D]` / `[num_pages, page_size, Hkv, Dv]` (the layout
+        `kv_block_scores` takes), sequence b being the pages block_table[b] in order, so
+        Lk = pages_per_seq * page_size. Read in place, no gathered copy. The causal rule
+        is the same: the chunk's queries are the last Lq of the n cached keys (the chunk's
+        own keys written to the cache's end); causal=False lets each query see every key
+        in use, the usual reading for a chunk that follows its context.
+      impl: "auto", "reference", "mosaic" or "triton" (module docstring). A kernel may
+        refuse pages smaller than its key tile.
+
+    Returns:
+      out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. Softmax in
+      float32. A row with no allowed key gives zeros (lse -inf). With an all-true mask
+      this is dense (causal) attention.
+
+    Non-finite inputs: a key a row may not attend to never reaches it (masked keys are
+    replaced, not multiplied by 0). A NaN in q, in an allowed key's k, or a score of +inf
+    makes the row NaN; a score of -inf gives that key weight 0; a NaN or inf in an
+    allowed key's v makes the row's output NaN.
+
+    Raises ValueError, before any work, for inputs that break these rules.
+    """
+    geom = _check_attention(q, k, v, block_size, block_table)
+    _check_mask(mask, geom, block_size)
+    table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
+    key_count = _key_count(k_len, geom)
+    attend = _attention_impl(impl, _platform(q), table is not None or key_count is not None)
+    return _attention(q, k, v, mask, key_count, table, attend=attend,
+                      block_size=geom.block_size, causal=bool(causal),
+                      scale=_check_scale(scale), return_lse=bool(return_lse))
+
+
+@functools.partial(jax.jit, static_argnames=("attend", "estimate_impl", "block_size",
+                                             "stride", "causal", "norm", "scale",
+                                             "return_mask"))
+def _xattention(q, k, v, threshold, *, attend, estimate_impl: str, block_size: int,
+                stride: int, causal: bool, norm: float, scale: float | None,
+                return_mask: bool):
+    _, mask = xattn_estimate(q, k, block_size=block_size, stride=stride,
+                             threshold=threshold, causal=causal, norm=norm,
+                             impl=estimate_impl)
+    out = attend(q, k, v, mask, block_size=block_size, causal=causal, scale=scale,
+                 return_lse=False)
+    return (out, mask) if return_mask else out
+
+
+def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
+               block_size: int = 128, stride: int = 8, causal: bool = True,
+               norm: float = 1.0, scale: float | None = None, return_mask: bool = False,
+               impl: str = "auto"):
+    """XAttention (ESTIMATE.md sections 1-4, then 6): the estimate's block mask, then
+    attention over it, as one jitted call.
+
+    Args:
+      q, k, v: `[B, Hq, Lq, D]`, `[B, Hkv, Lk, D]`, `[B, Hkv, Lk, Dv]`, one dtype (float32,
+        bfloat16 or float16), Lq <= Lk, Hq % Hkv == 0; with causal=True and Lq < Lk,
+        Lk - Lq must be a multiple of block_size (the estimate's rule).
+      threshold: the estimate's share of each row's mass to keep, in (0, 1]: a float or
+        `[Hq]` floats. Data: changing it does not recompile.
+      block_size, stride, causal, norm: as in `xattn_estimate` (norm tempers the estimate
+        only); the attention uses the same block_size and causal.
+      scale: the attention's q.k multiplier, default 1 / sqrt(D).
+      return_mask: also return the mask.
+      impl: the attention's implementation, as in `block_sparse_attention`. The estimate
+        runs its "reference" for impl="reference" or inputs off a GPU, else its "auto".
+
+    Returns:
+      out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, mask)` with mask bool
+      `[B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]`, exactly `xattn_estimate`'s.
+    """
+    geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
+    _check_v(v, k, None)
+    t = threshold_per_head(threshold, geom.q_heads)
+    platform = _platform(q)
+    attend = _attention_impl(impl, platform)
+    estimate_impl = "reference" if impl == "reference" or platform != "gpu" else "auto"
+    return _xattention(q, k, v, t, attend=attend, estimate_impl=estimate_impl,
+                       block_size=geom.block_size, stride=geom.stride, causal=bool(causal),
+                       norm=check_norm(norm), scale=_check_scale(scale),
+                       return_mask=bool(return_mask))
