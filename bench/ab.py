@@ -25,14 +25,11 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from bench.cases import CHUNK, ESTIMATE
 from bench.common import log, record, time_ms, write_json
-from bench.estimate import CASES as ESTIMATE_CASES
-from bench.estimate import HEAD_DIM, HEADS, STRIDE
 
-CHUNK_CONTEXTS = {"chunk4096-ctx16k": 16384, "chunk4096-ctx32k": 32768,
-                  "chunk4096-ctx64k": 65536, "chunk4096-ctx128k": 131072}
-DEFAULT_CASES = [name for name in ESTIMATE_CASES
-                 if not name.startswith(("noncausal-16k", "noncausal-32k"))] + list(CHUNK_CONTEXTS)
+DEFAULT_CASES = [name for name in ESTIMATE
+                 if not name.startswith(("noncausal-16k", "noncausal-32k"))] + list(CHUNK)
 
 
 def load_renamed(path: str, name: str = "xattn_old"):
@@ -54,26 +51,21 @@ def kernel_impl(module) -> str:
 def case_fn(module, name: str):
     """(fn, args) of one case, for one version."""
     impl = kernel_impl(module)
-    keys = jax.random.split(jax.random.PRNGKey(len(name)), 2)
-    if name in CHUNK_CONTEXTS:
-        context = CHUNK_CONTEXTS[name]
-        q = jax.random.normal(keys[0], (1, HEADS, 4096, HEAD_DIM), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (1, 8, context, HEAD_DIM), jnp.bfloat16)
-
+    shape = CHUNK.get(name) or ESTIMATE[name]
+    q, k = shape.random_qk(len(name))
+    if name in CHUNK:
         @jax.jit
         def chunk(q, k, k_len):
-            scores = module.kv_block_scores(q, k, kv_block_size=4096, estimate_block_size=1024,
-                                            stride=STRIDE, k_len=k_len, impl=impl)
+            scores = module.kv_block_scores(q, k, kv_block_size=4096,
+                                            estimate_block_size=shape.block_size,
+                                            stride=shape.stride, k_len=k_len, impl=impl)
             return scores, module.select_kv_blocks(scores, threshold=0.95)
 
-        return chunk, (q, k, jnp.int32(context))
-    kv_heads, length, block_size, causal, _ = ESTIMATE_CASES[name]
-    q = jax.random.normal(keys[0], (1, HEADS, length, HEAD_DIM), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (1, kv_heads, length, HEAD_DIM), jnp.bfloat16)
+        return chunk, (q, k, jnp.int32(shape.k_len))
 
     def estimate(q, k):
-        return module.xattn_estimate(q, k, block_size=block_size, stride=STRIDE, causal=causal,
-                                     impl=impl)
+        return module.xattn_estimate(q, k, block_size=shape.block_size, stride=shape.stride,
+                                     causal=shape.causal, impl=impl)
 
     return estimate, (q, k)
 

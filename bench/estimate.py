@@ -21,33 +21,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
 from bench.common import (floor_ms, jax_extra_mib, log, markdown_table, record,  # noqa: E402
-                          strided_flops, time_ms, write_json)
+                          time_ms, write_json)
 from xattn_jax import xattn_estimate  # noqa: E402
 
-HEADS, HEAD_DIM, STRIDE = 32, 128, 8
-BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
-GQA_CASE = "gqa-64k-causal"
 PAIRED_ROUNDS = 3  # GQA and its MHA twin alternate this often (run-to-run drift is ~5%)
+REPS = {"causal-128k": 5, "causal-1m": 2}  # timed batches per case; others by length
+CASES = ESTIMATE
 
 
-def _cases() -> dict[str, tuple[int, int, int, int, bool]]:
-    """name -> (Hkv, length, block_size, causal, reps)."""
-    cases = {f"noncausal-64k-b{b}": (HEADS, 65536, b, False, 10) for b in BLOCK_SIZES}
-    cases.update({
-        "causal-32k": (HEADS, 32768, 128, True, 20),
-        "causal-64k": (HEADS, 65536, 128, True, 10),
-        "causal-128k": (HEADS, 131072, 128, True, 5),
-        "causal-1m": (HEADS, 1 << 20, 128, True, 2),
-        GQA_CASE: (8, 65536, 128, True, 10),
-    })
-    for length, name in ((16384, "16k"), (32768, "32k")):  # the seed's sweep; 64K is above
-        cases.update({f"noncausal-{name}-b{b}": (HEADS, length, b, False, 20)
-                      for b in BLOCK_SIZES})
-    return cases
-
-
-CASES = _cases()
+def _reps(shape) -> int:
+    return REPS.get(shape.id, 20 if shape.k_len <= 32768 else 10)
 
 
 def run_case(name: str, original=None) -> tuple[list[dict], str | None]:
@@ -56,27 +41,26 @@ def run_case(name: str, original=None) -> tuple[list[dict], str | None]:
     target is to be no slower than MHA, a difference smaller than the drift between
     rows timed minutes apart; MHA keys drawn at random on their own measured 1-2% apart
     from GQA's keys copied into MHA's layout)."""
-    kv_heads, length, block_size, causal, reps = CASES[name]
-    keys = jax.random.split(jax.random.PRNGKey(len(name)), 2)
-    q = jax.random.normal(keys[0], (1, HEADS, length, HEAD_DIM), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (1, kv_heads, length, HEAD_DIM), jnp.bfloat16)
+    shape = CASES[name]
+    reps, heads = _reps(shape), shape.q_heads
+    q, k = shape.random_qk(len(name))
 
     def fn(q, k):
-        return xattn_estimate(q, k, block_size=block_size, stride=STRIDE, causal=causal,
-                              impl="triton")
+        return xattn_estimate(q, k, block_size=shape.block_size, stride=shape.stride,
+                              causal=shape.causal, impl="triton")
 
-    floor = floor_ms(strided_flops(HEADS, length, length, STRIDE, HEAD_DIM, causal))
+    floor = floor_ms(shape.strided_flops())
     note = None
     if name == GQA_CASE:
         # MHA on the same values: K copied per query head, as the original does GQA
-        k_mha = jnp.repeat(k, HEADS // kv_heads, axis=1)
+        k_mha = jnp.repeat(k, heads // shape.kv_heads, axis=1)
         times = {"GQA": [], "MHA": []}
         for _ in range(PAIRED_ROUNDS):
             for what, keys_of in (("GQA", k), ("MHA", k_mha)):
                 times[what].append(time_ms(fn, [(q, keys_of)], warmup=2, reps=reps))
         ms, mha_ms = (statistics.median(times[w]) for w in ("GQA", "MHA"))
         note = (f"{name}, timed in alternation with MHA (Hkv = 32, each key head copied "
-                f"to its {HEADS // kv_heads} query heads: the same scores) over "
+                f"to its {heads // shape.kv_heads} query heads: the same scores) over "
                 f"{PAIRED_ROUNDS} rounds: GQA {ms:.3f} ms (rounds "
                 f"{', '.join(f'{t:.3f}' for t in times['GQA'])}), MHA {mha_ms:.3f} ms "
                 f"(rounds {', '.join(f'{t:.3f}' for t in times['MHA'])})")
@@ -88,8 +72,9 @@ def run_case(name: str, original=None) -> tuple[list[dict], str | None]:
     log(f"{name}: {ms:.3f} ms, {ms / floor:.2f} x floor, {rows[0]['extra_mib']:.0f} MiB")
     if original is not None:
         try:
-            orig_ms, orig_mib = original.time_estimate(q, k, block_size=block_size,
-                                                       stride=STRIDE, causal=causal, reps=reps)
+            orig_ms, orig_mib = original.time_estimate(q, k, block_size=shape.block_size,
+                                                       stride=shape.stride, causal=shape.causal,
+                                                       reps=reps)
         except original.Unsupported as why:
             log(f"{name}: original skipped ({why})")
         else:

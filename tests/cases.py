@@ -1,4 +1,5 @@
-"""Test helper: a q/k shape case shared by the block-sum and the estimate suites."""
+"""Test helper: the q/k shape cases of the block-sum and the estimate suites, in the one
+format of `bench.cases`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.geometry import Geometry
+from bench.cases import Shape
 
 # float32 results, relative to the largest reference value: 1e-5 on CPU (the contract),
 # a little looser on a GPU (approximate exp2, other summation orders)
@@ -17,25 +18,8 @@ LOW_RTOL = 2e-3  # bfloat16/float16 inputs, against float64 on the same rounded 
 
 
 @dataclasses.dataclass(frozen=True)
-class QKCase:
-    """q `[batch, q_heads, q_len, head_dim]`, k `[batch, kv_heads, k_len, head_dim]` and
-    the estimate's layout."""
-
-    id: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    k_len: int
-    head_dim: int
-    stride: int
-    block_size: int
-    causal: bool
-    dtype: object = jnp.float32
-
-    def geom(self) -> Geometry:
-        return Geometry(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
-                        self.head_dim, self.stride, self.block_size)
+class QKCase(Shape):
+    """A `bench.cases.Shape` with seeded test inputs and its tolerance."""
 
     def inputs(self, rand):
         return rand.qk(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.cases import ESTIMATE
 from xattn_jax import xattn_estimate
 
 pytestmark = [pytest.mark.gpu,
@@ -29,14 +30,16 @@ def _qk(heads: int, kv_heads: int, length: int, seed: int):
 def test_128k_causal_memory_beyond_inputs_and_outputs():
     """The 128K causal call allocates its outputs and at most 64 MiB of workspace: the
     score matrix (2 GiB per head group here) is never materialized."""
-    q = jax.ShapeDtypeStruct((1, 32, 131072, 128), jnp.bfloat16)
+    shape = ESTIMATE["causal-128k"]
+    q = jax.ShapeDtypeStruct((1, shape.q_heads, shape.q_len, shape.head_dim), shape.dtype)
 
     def call(q, k):
-        return xattn_estimate(q, k, block_size=128, stride=8, causal=True, impl="triton")
+        return xattn_estimate(q, k, block_size=shape.block_size, stride=shape.stride,
+                              causal=True, impl="triton")
 
     stats = jax.jit(call).lower(q, q).compile().memory_analysis()
-    blocks = 131072 // 128
-    outputs = 32 * blocks * blocks * (4 + 1)  # float32 block sums + bool mask
+    blocks = shape.q_len // shape.block_size
+    outputs = shape.q_heads * blocks * blocks * (4 + 1)  # float32 block sums + bool mask
     # XLA adds the output tuple's table of pointers (16 bytes here) to the outputs.
     assert outputs <= stats.output_size_in_bytes < outputs + MiB
     assert stats.temp_size_in_bytes <= WORKSPACE_LIMIT, stats.temp_size_in_bytes / MiB
