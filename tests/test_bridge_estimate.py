@@ -11,32 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import xattn_jax
-from xattn_jax import api
 
-import xattn_torch_bridge as bridge
+torch = pytest.importorskip("torch")
+
+import xattn_jax  # noqa: E402
+import xattn_torch_bridge as bridge  # noqa: E402
+from bridge_cases import CASES, qk, skip_pallas_off_cpu_backend  # noqa: E402
+from xattn_jax import api  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")
-
-# (B, Hq, Hkv, Lq, Lk, D), keyword arguments; test_bridge_reference.py uses them too
-CASES = {
-    "causal-gqa": ((1, 4, 2, 256, 256, 32), dict(block_size=32, stride=8, causal=True)),
-    "causal-chunk": ((2, 2, 2, 96, 224, 16), dict(block_size=64, stride=8, causal=True)),
-    "ragged-noncausal": ((1, 2, 1, 100, 200, 16),
-                         dict(block_size=16, stride=4, causal=False, keep_sink=True,
-                              keep_recent=True, threshold=0.8)),
-}
-
-
-def qk(rand, shape, dtype=torch.float32, device="cpu"):
-    """Random q `[B, Hq, Lq, D]` and k `[B, Hkv, Lk, D]` with standard deviation 2 (scores
-    of standard deviation 4 / sqrt(stride): peaked, not degenerate softmax rows)."""
-    b, hq, hkv, lq, lk, d = shape
-    q = torch.from_numpy(rand.rng.standard_normal((b, hq, lq, d)) * 2.0).to(dtype)
-    k = torch.from_numpy(rand.rng.standard_normal((b, hkv, lk, d)) * 2.0).to(dtype)
-    return q.to(device), k.to(device)
 
 
 def jax_of(t: torch.Tensor) -> jax.Array:
@@ -49,13 +33,6 @@ def jax_of(t: torch.Tensor) -> jax.Array:
         return jax.device_put(values, jax.devices("cpu")[0])
     return jax.device_put(values, next(d for d in jax.devices("cuda")
                                        if d.local_hardware_id == t.device.index))
-
-
-def skip_pallas_off_cpu_backend():
-    """Pallas on CPU tensors means interpret mode, which xattn_jax picks only where JAX's
-    default backend is the CPU (the gpu tests run the kernels on CUDA tensors)."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("impl='pallas' on CPU tensors needs JAX's CPU backend")
 
 
 def assert_same(bridged, plain, rand):
