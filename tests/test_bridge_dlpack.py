@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
-import xattn_torch_bridge
-from xattn_torch_bridge import dlpack, to_jax, to_torch
+torch = pytest.importorskip("torch")
+
+import xattn_torch_bridge  # noqa: E402
+from xattn_torch_bridge import dlpack, to_jax, to_torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.bool]

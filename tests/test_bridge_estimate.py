@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import xattn_jax
-from xattn_jax import api
 
-import xattn_torch_bridge as bridge
-from bridge_inputs import CASES, jax_of, qk
+torch = pytest.importorskip("torch")
+
+import xattn_jax  # noqa: E402
+import xattn_torch_bridge as bridge  # noqa: E402
+from bridge_inputs import CASES, jax_of, qk  # noqa: E402
+from xattn_jax import api  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")

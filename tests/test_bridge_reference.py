@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
-import xattn_torch_bridge as bridge
-from bridge_inputs import CASES, qk
-from xattn_torch_bridge import reference as ref
+torch = pytest.importorskip("torch")
+
+import xattn_jax  # noqa: E402
+import xattn_torch_bridge as bridge  # noqa: E402
+from bridge_inputs import CASES, qk  # noqa: E402
+from xattn_torch_bridge import reference as ref  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")
@@ -184,6 +187,49 @@ def test_kv_block_scores_agree_with_jax_block_sums(rand):
                                err_msg=str(rand))
 
 
+def kv_chunk(rand, q_len: int):
+    """A chunk's q (float32 torch `[1, 4, q_len, 16]`) and a cache buffer k of 1024
+    tokens (`[1, 2, 1024, 16]`), each with its JAX copy."""
+    q, k = qk(rand, (1, 4, 2, q_len, 1024, 16))
+    return q, k, jnp.asarray(q.numpy()), jnp.asarray(k.numpy())
+
+
+@pytest.mark.parametrize("k_len", [1024, 777, 300, 5])
+def test_kv_block_scores_agree_with_xattn_jax(k_len, rand):
+    """xattn_jax.kv_block_scores (its JAX reference; test_kv_blocks.py checks the kernel
+    against float64 numpy) on a buffer filled to k_len: the torch reference's scores, and
+    zeros past them."""
+    q, k, q_jax, k_jax = kv_chunk(rand, 160)
+    got = np.asarray(xattn_jax.kv_block_scores(q_jax, k_jax, kv_block_size=256,
+                                               estimate_block_size=64, stride=8,
+                                               k_len=jnp.int32(k_len), impl="reference"))
+    want = ref.kv_block_scores(q.double(), k.double(), 256, 64, 8, k_len=k_len).numpy()
+    n = want.shape[-1]
+    np.testing.assert_allclose(got[..., :n], want, rtol=1e-5, atol=1e-5 * want.max(),
+                               err_msg=str(rand))
+    assert np.all(got[..., n:] == 0), str(rand)
+
+
+@pytest.mark.parametrize("rule", ["score", "vote"])
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_kv_selection_agrees_with_xattn_jax(rule, per_kv_head, rand):
+    """xattn_jax.select_kv_blocks and the torch reference pick the same blocks from the
+    same scores."""
+    _, _, q, k = kv_chunk(rand, 256)
+    scores = xattn_jax.kv_block_scores(q, k, kv_block_size=128, estimate_block_size=64,
+                                       stride=8, per_query_block=rule == "vote",
+                                       impl="reference")
+    for threshold, num_valid in ((0.9, 8), (0.95, 6), (0.5, 3)):
+        got = xattn_jax.select_kv_blocks(scores, threshold=threshold, per_kv_head=per_kv_head,
+                                         kv_heads=2, num_valid=num_valid, rule=rule)
+        want = ref.select_kv_blocks(torch.from_numpy(np.asarray(scores, np.float64)),
+                                    threshold, True, True, 2 if per_kv_head else None,
+                                    num_valid, rule)
+        assert got.shape == ((1, 2, 8) if per_kv_head else (1, 8))
+        assert np.array_equal(np.asarray(got).reshape(want.shape), want.numpy()), \
+            f"threshold={threshold}, num_valid={num_valid}, {rand}"
+
+
 def kv_select(scores, threshold, **kwargs):
     mask = ref.select_kv_blocks(torch.tensor(scores, dtype=torch.float64), threshold, **kwargs)
     return [[n for n, on in enumerate(group) if on] for batch in mask.tolist() for group in batch]
@@ -244,7 +290,7 @@ def test_kv_selection_refusals():
 class TestCuda:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
     @pytest.mark.parametrize("causal", [True, False])
-    def test_torch_reference_agrees_with_pallas_on_gpu(self, dtype, causal, rand):
+    def test_torch_reference_agrees_with_triton_on_gpu(self, dtype, causal, rand):
         """The torch reference runs on the GPU too; the Pallas kernels compile via Triton."""
         kwargs = dict(block_size=64, stride=8, causal=causal)
         shape = (1, 8, 2, 1024, 2048, 64) if causal else (2, 4, 4, 1000, 1800, 64)

@@ -6,12 +6,12 @@ The `gpu` tests need torch with CUDA (`pytest -m gpu tests/test_kv_cache.py`).
 
 from __future__ import annotations
 
-
 import pytest
-import torch
 
-from cache_state import assert_refused, assert_same, snapshot
-from xattn_torch_bridge import PagedKVCache
+torch = pytest.importorskip("torch")
+
+from cache_state import assert_refused, assert_same, snapshot  # noqa: E402
+from xattn_torch_bridge import PagedKVCache  # noqa: E402
 
 BS, HKV, D = 64, 2, 16
 

@@ -8,14 +8,14 @@ The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
 
 from __future__ import annotations
 
-
 import pytest
-import torch
-import xattn_jax
 
-import xattn_torch_bridge as bridge
-from cache_state import assert_refused, snapshot
-from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference
+torch = pytest.importorskip("torch")
+
+import xattn_jax  # noqa: E402
+import xattn_torch_bridge as bridge  # noqa: E402
+from cache_state import assert_refused, snapshot  # noqa: E402
+from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference  # noqa: E402
 
 BS, HKV, HQ, D, EBS, STRIDE = 64, 2, 4, 16, 32, 8
 GPU_EBS = 64  # the estimate block size of the Pallas kernel's GPU tests

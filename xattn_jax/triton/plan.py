@@ -273,10 +273,11 @@ def plan_strided_scores(geom: Geometry, dtype, *, interpret: bool,
 
 def plan_select_blocks(shape: tuple[int, int, int, int], *, interpret: bool) -> Plan:
     """The plan of one selection call over block sums of `shape` `[B, Hq, qb, kb]`: block_q
-    query-block rows per program, each row's kb key blocks held in block_k, a power of
-    two. Its geometry counts in blocks (a block is one "token" of stride 1)."""
+    query-block rows per program (SELECT_ROW_ELEMENTS over the padded width, at most qb
+    padded to a power of two), each row's kb key blocks held in block_k, a power of two.
+    Its geometry counts in blocks (a block is one "token" of stride 1)."""
     b, hq, qb, kb = shape
     width = next_pow2(kb)
     return Plan(Geometry(b, hq, hq, qb, kb, 1, 1, 1), SELECT_BLOCKS,
-                max(1, SELECT_ROW_ELEMENTS // width), width, 0,
+                min(max(1, SELECT_ROW_ELEMENTS // width), next_pow2(qb)), width, 0,
                 num_warps=4 if kb <= 1024 else 8, num_stages=1, interpret=interpret)

@@ -6,6 +6,13 @@ the mass of candidates >= x, the last value taken is x* = max{x : G(x) >= target
 sums are non-negative floats, whose order is the order of their int32 bit patterns, so a
 31-step bisection over the bit patterns finds x* exactly. Everything above x* is taken;
 blocks equal to x* are taken in index order (a running count) while still below target.
+
+A program holds `rows` rows of one (batch, query head), each padded to the power-of-two
+width Triton's tiles need. Nothing is read or written outside the arrays: the block sums
+are read in place, by indices clamped into `[qb, kb]` under a mask (padding reads as
+zero), with no padded copy of the float32 input; the int8 mask is written unmasked into
+an output padded to whole tiles, whose padding the int8 -> bool conversion cuts off in
+the same pass.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks
                    rows: int, width: int, causal: bool, keep_sink: bool, keep_recent: bool):
     h = pl.program_id(1)
     blocks = jnp.arange(width)
-    row0 = pl.program_id(2) * rows
-    row_ids = row0 + jnp.arange(rows)
+    row_ids = pl.program_id(2) * rows + jnp.arange(rows)
     real = (row_ids < q_blocks)[:, None] & (blocks < k_blocks)[None, :]
-    window = (pl.ds(row0, rows), pl.ds(0, width))
-    sums = plgpu.load(sums_ref.at[window], mask=real, other=0.0)
+    inside = (jnp.minimum(row_ids, q_blocks - 1)[:, None],
+              jnp.minimum(blocks, k_blocks - 1)[None, :])
+    sums = plgpu.load(sums_ref.at[inside], mask=real, other=0.0)
 
     j = blocks[None, :]
     diagonal = row_ids[:, None] + (k_blocks - q_blocks)
@@ -69,7 +76,7 @@ def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks
     chosen = jnp.where((forced_mass >= target)[:, None], forced, chosen)
     chosen = jnp.where(reached(jnp.zeros((rows,), jnp.int32))[:, None], chosen, forced | candidate)
     chosen = jnp.where(jnp.isfinite(total)[:, None], chosen, allowed)
-    plgpu.store(mask_ref.at[window], chosen.astype(jnp.int8), mask=real)
+    mask_ref[...] = chosen.astype(jnp.int8)  # padding: False (`real` is in every term)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "causal", "keep_sink", "keep_recent"))
@@ -81,17 +88,19 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: Plan, ca
     Returns bool `[B, Hq, qb, kb]`, the same rule as `reference.select_blocks`.
     """
     b, hq, qb, kb = block_sums.shape
-    rows = plan.block_q
+    rows, width = plan.block_q, plan.block_k
+    row_tiles = pl.cdiv(qb, rows)
     kernel = functools.partial(_select_kernel, q_blocks=qb, k_blocks=kb, rows=rows,
-                               width=plan.block_k, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
-    full = pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0))
+                               width=width, causal=causal, keep_sink=keep_sink,
+                               keep_recent=keep_recent)
     mask = pl.pallas_call(
         kernel,
-        grid=(b, hq, pl.cdiv(qb, rows)),
-        in_specs=[full, pl.BlockSpec((hq,), lambda i, h, r: (0,))],
-        out_specs=full,
-        out_shape=jax.ShapeDtypeStruct(block_sums.shape, jnp.int8),
+        grid=(b, hq, row_tiles),
+        in_specs=[pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0)),
+                  pl.BlockSpec((hq,), lambda i, h, r: (0,))],
+        out_specs=pl.BlockSpec((None, None, rows, width), lambda i, h, r: (i, h, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hq, row_tiles * rows, width), jnp.int8),
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps),
         interpret=plan.interpret,
     )(block_sums, threshold)
-    return mask.astype(bool)
+    return mask[:, :, :qb, :kb].astype(bool)
