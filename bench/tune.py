@@ -19,7 +19,7 @@ import numpy as np
 
 from bench.common import floor_ms, log, strided_flops, time_ms
 from xattn_jax import reference
-from xattn_jax.geometry import check_qk
+from xattn_jax.checks import check_qk
 from xattn_jax.triton.block_sums import block_sums, passes_for
 from xattn_jax.triton.tiling import Tiling
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import np_reference as npr
 from cases import F32_RTOL, GPU_SLACK, QKCase
-from xattn_jax.geometry import check_qk
+from xattn_jax.checks import check_qk
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 

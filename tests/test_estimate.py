@@ -137,7 +137,7 @@ def test_max_scratch_bytes_changes_how_the_call_is_stepped_not_the_result(impl, 
     """A bound of one row step of one head (several kernel calls) and one below it (the
     two-pass kernel) give the default's block sums and mask, with less workspace; the
     reference ignores the bound."""
-    from xattn_jax.geometry import check_qk
+    from xattn_jax.checks import check_qk
     from xattn_jax.triton.block_sums import passes_for
     from xattn_jax.triton.one_pass import call_shape, head_row_scratch_bytes
     from xattn_jax.triton.tiling import default_tiling

@@ -2,12 +2,14 @@
 
 Public API: `xattn_estimate` (the whole estimate), and its stages `strided_scores`,
 `select_blocks`; `kv_block_scores` and `select_kv_blocks` (chunked prefill over a KV
-cache); `xattn_jax.reference` is the plain-JAX source of truth.
+cache); `xattn_jax.reference` is the plain-JAX source of truth. `checked(fn)` runs `fn`
+with the values that are data (traced thresholds, key counts, block tables) checked too.
 """
 
 from xattn_jax.api import select_blocks, strided_scores, xattn_estimate
+from xattn_jax.checks import checked
 from xattn_jax.geometry import Geometry
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
 
-__all__ = ["Geometry", "kv_block_scores", "select_blocks", "select_kv_blocks",
+__all__ = ["Geometry", "checked", "kv_block_scores", "select_blocks", "select_kv_blocks",
            "strided_scores", "xattn_estimate"]
