@@ -151,7 +151,8 @@ def test_selection_errors(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(kv_block_size=256, estimate_block_size=96), "divide"),
+    (dict(kv_block_size=256, estimate_block_size=96),
+     r"kv_block_size must be a positive multiple of estimate_block_size \(96\)"),
     (dict(kv_block_size=0), "kv_block_size"),
     (dict(estimate_block_size=60, kv_block_size=120), "block_size"),
     (dict(k_len=0), "k_len"),

@@ -28,6 +28,7 @@ from xattn_jax.geometry import Geometry
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SHARE_RULE = "must lie in (0, 1]"
+MAX_BLOCK_SIZE = 1 << 16  # tokens: 16x the largest block in use (KV-cache blocks of 4096)
 
 # --- checked mode ------------------------------------------------------------------------
 
@@ -87,6 +88,21 @@ def check_positive_int(name: str, value) -> int:
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def check_tokens(name: str, value, unit: int = 1, unit_name: str | None = None) -> int:
+    """A stride or block size in tokens: a positive integer, a multiple of `unit` (the
+    argument `unit_name`, if given), at most MAX_BLOCK_SIZE.
+
+    A block longer than the sequence is allowed (one block then covers it; padding never
+    changes a result); the bound only stops a typo, whose padding would not fit in memory.
+    """
+    value = check_positive_int(name, value)
+    if value % unit or value > MAX_BLOCK_SIZE:
+        rule = f"a positive multiple of {unit_name} ({unit})" if unit_name else \
+            "a positive integer"
+        raise ValueError(f"{name} must be {rule}, at most {MAX_BLOCK_SIZE}, got {value}")
+    return value
 
 
 def check_flag(name: str, value) -> bool:
@@ -242,13 +258,8 @@ def check_qk(q, k, *, stride, block_size, causal) -> Geometry:
     A stride or block size larger than the sequence is allowed: one block (or stride
     group) covers it all, and the missing tokens are padding, which changes nothing.
     """
-    stride = check_positive_int("stride", stride)
-    if not _is_int(block_size):
-        raise TypeError(f"block_size must be a positive multiple of stride ({stride}), got "
-                        f"{block_size!r} ({type(block_size).__name__})")
-    if block_size < 1 or block_size % stride:
-        raise ValueError(
-            f"block_size must be a positive multiple of stride ({stride}), got {block_size!r}")
+    stride = check_tokens("stride", stride)
+    block_size = check_tokens("block_size", block_size, stride, "stride")
     causal = check_flag("causal", causal)
     for name, x in (("q", q), ("k", k)):
         check_array(name, x, "[batch, heads, length, head_dim]")
@@ -296,22 +307,15 @@ def check_block_sums(block_sums) -> None:
 # --- chunked prefill over a KV cache (kv_blocks) -----------------------------------------
 
 def check_estimate_block_size(estimate_block_size, stride) -> int:
-    """The block size of the estimate's block sums: a positive multiple of stride."""
-    stride = check_positive_int("stride", stride)
-    estimate_block_size = check_positive_int("estimate_block_size", estimate_block_size)
-    if estimate_block_size % stride:
-        raise ValueError(f"estimate_block_size must be a multiple of stride ({stride}), got "
-                         f"{estimate_block_size}")
-    return estimate_block_size
+    """The block size of the estimate's block sums: a multiple of stride."""
+    return check_tokens("estimate_block_size", estimate_block_size,
+                        check_tokens("stride", stride), "stride")
 
 
 def check_kv_sizes(kv_block_size, estimate_block_size, stride) -> None:
-    """kv_block_size: a positive multiple of estimate_block_size, itself one of stride."""
-    kv_block_size = check_positive_int("kv_block_size", kv_block_size)
-    estimate_block_size = check_estimate_block_size(estimate_block_size, stride)
-    if kv_block_size % estimate_block_size:
-        raise ValueError(f"estimate_block_size ({estimate_block_size}) must divide "
-                         f"kv_block_size ({kv_block_size})")
+    """kv_block_size: a multiple of estimate_block_size, itself one of stride."""
+    check_tokens("kv_block_size", kv_block_size,
+                 check_estimate_block_size(estimate_block_size, stride), "estimate_block_size")
 
 
 def cached_keys(q, k, block_table):
