@@ -178,7 +178,7 @@ def test_empty_last_block_is_refused(rand):
     (dict(threshold=0), ValueError, r"threshold must lie in \(0, 1\]"),
     (dict(threshold=True), TypeError, r"threshold must be a float in \(0, 1\]"),
     (dict(threshold="0.9"), TypeError, r"threshold must be a float in \(0, 1\]"),
-    (dict(stride=0), ValueError, "stride must be a positive integer"),
+    (dict(stride=0), ValueError, "stride must be an integer >= 1"),
     (dict(estimate_block_size=20), ValueError,
      r"estimate_block_size must be a positive multiple of stride \(8\), at most 65536, got 20"),
     (dict(rule="max"), ValueError, "rule must be one of"),

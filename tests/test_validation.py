@@ -60,7 +60,7 @@ def test_causal_alignment_rule_only_when_causal():
     (0, 8, ValueError, r"block_size"),
     (-16, 8, ValueError, r"block_size"),
     (16.0, 8, TypeError, r"block_size"),
-    (16, 0, ValueError, r"stride must be a positive integer"),
+    (16, 0, ValueError, r"stride must be an integer >= 1"),
     (16, -8, ValueError, r"stride"),
     (16, 2.0, TypeError, r"stride"),
     (16, True, TypeError, r"stride"),
@@ -125,7 +125,7 @@ def test_bad_norm(impl, norm, error):
                                          (True, TypeError), ("1024", TypeError)])
 def test_bad_max_scratch_bytes(impl, value, error):
     q, k = _qk()
-    with pytest.raises(error, match="max_scratch_bytes must be a positive integer"):
+    with pytest.raises(error, match="max_scratch_bytes must be an integer >= 1"):
         _estimate(impl, q, k, max_scratch_bytes=value)
 
 

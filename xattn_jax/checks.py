@@ -80,13 +80,13 @@ def _is_real(value) -> bool:
     return _is_int(value) or isinstance(value, (float, np.floating))
 
 
-def check_positive_int(name: str, value) -> int:
-    """`value` as an int >= 1 (Python or numpy integers; bools are refused)."""
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """`value` as an int >= minimum (Python or numpy integers; bools are refused)."""
     if not _is_int(value):
-        raise TypeError(f"{name} must be a positive integer, got {value!r} "
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r} "
                         f"({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -97,10 +97,10 @@ def check_tokens(name: str, value, unit: int = 1, unit_name: str | None = None) 
     A block longer than the sequence is allowed (one block then covers it; padding never
     changes a result); the bound only stops a typo, whose padding would not fit in memory.
     """
-    value = check_positive_int(name, value)
+    value = check_int(name, value)
     if value % unit or value > MAX_BLOCK_SIZE:
         rule = f"a positive multiple of {unit_name} ({unit})" if unit_name else \
-            "a positive integer"
+            "an integer >= 1"
         raise ValueError(f"{name} must be {rule}, at most {MAX_BLOCK_SIZE}, got {value}")
     return value
 
@@ -141,7 +141,7 @@ def check_scratch_bytes(max_scratch_bytes) -> int | None:
     """None, or a positive number of bytes."""
     if max_scratch_bytes is None:
         return None
-    return check_positive_int("max_scratch_bytes", max_scratch_bytes)
+    return check_int("max_scratch_bytes", max_scratch_bytes)
 
 
 # --- shares in (0, 1] --------------------------------------------------------------------
@@ -436,7 +436,7 @@ def kv_groups(heads: int, per_kv_head: bool, kv_heads) -> int:
     kv_heads, when given, is a positive integer; per_kv_head needs one dividing `heads`.
     """
     if kv_heads is not None:
-        kv_heads = check_positive_int("kv_heads", kv_heads)
+        kv_heads = check_int("kv_heads", kv_heads)
     if not per_kv_head:
         return 1
     if kv_heads is None or heads % kv_heads:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import torch
 import xattn_jax
+from xattn_jax.checks import check_flag
 
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, place_of, to_torch,
                                       views_for_one_computation)
@@ -58,6 +59,7 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
       `(block_sums, mask)`: float32 and bool torch tensors `[B, Hq, ceil(Lq/block_size),
       ceil(Lk/block_size)]` on q's device, sharing memory with JAX's results.
     """
+    copy = check_flag("copy", copy)
     q, place = place_of(_detached(q), "q", copy, FLOAT_DTYPES)
     k, k_place = place_of(_detached(k), "k", copy, FLOAT_DTYPES)
     if k_place is not place:
