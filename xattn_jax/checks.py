@@ -160,20 +160,26 @@ def _real_host_array(name: str, value) -> np.ndarray:
                     f"({type(value).__name__})")
 
 
-def _check_shares(name: str, values: np.ndarray, shown) -> None:
-    """The one range rule of every share (threshold)."""
-    if not np.all((values > 0) & (values <= 1)):
+def _check_shares(name: str, values: float | np.ndarray, shown) -> None:
+    """The one range rule of every share (threshold): one float, or a float32 array."""
+    if isinstance(values, float):  # without numpy's few microseconds per call
+        inside = 0 < values <= 1
+    else:
+        inside = np.all((values > 0) & (values <= 1))
+    if not inside:
         raise ValueError(f"{name} {_SHARE_RULE}, got {shown}")
 
 
 def check_share(name: str, value) -> float:
-    """A share of attention mass on the host: a Python or numpy real in (0, 1]."""
+    """A share of attention mass on the host: a Python or numpy real in (0, 1], as its
+    float32 value."""
     if not _is_real(value):
         raise TypeError(f"{name} must be a float in (0, 1], got {value!r} "
                         f"({type(value).__name__})")
     # clipped first: a huge int would not fit a float32 (NaN stays NaN)
-    _check_shares(name, np.float32(max(min(value, 2), -1)), value)
-    return float(value)
+    share = float(np.float32(max(min(value, 2), -1)))
+    _check_shares(name, share, value)
+    return share
 
 
 def _check_jax_share(name: str, value: jax.Array) -> jax.Array:
@@ -210,6 +216,8 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
 
 def scalar_threshold(threshold) -> jax.Array:
     """One threshold for all heads as float32 `[]`, checked like `threshold_per_head`."""
+    if isinstance(threshold, float):  # the common case, as in threshold_per_head
+        return _device_values(check_share("threshold", threshold))
     if isinstance(threshold, jax.Array):
         if threshold.ndim:
             raise ValueError(f"threshold must be one float, got shape {threshold.shape}")
@@ -411,9 +419,13 @@ def valid_counts(num_valid, batch: int, blocks: int):
     if num_valid is None:
         return np.full((batch,), blocks, np.int32)
     rule = f"num_valid must lie in [1, {blocks}] (the blocks of scores)"
+    if _is_int(num_valid):  # the common case, without numpy's checks
+        if not 1 <= num_valid <= blocks:
+            raise ValueError(f"{rule}, got {num_valid}")
+        return np.full((batch,), num_valid, np.int32)
     if isinstance(num_valid, jax.Array):
         counts = num_valid
-    elif _is_int(num_valid) or isinstance(num_valid, (np.ndarray, list, tuple)):
+    elif isinstance(num_valid, (np.ndarray, list, tuple)):
         counts = np.asarray(num_valid)
     else:
         raise TypeError(f"num_valid must be an int, or ints of shape [] or [{batch}], got "
