@@ -264,13 +264,14 @@ def test_bad_inputs_on_random_shapes(bad, shapes):
 
 # --- the bad inputs of issue 14, one by one ----------------------------------------------
 
-def _paged_chunk(table):
+def _paged_scores(table, k_len=None, impl="reference"):
+    """kv_block_scores of a chunk of 32 queries over a cache of 10 pages of 16 tokens."""
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 2, 32, 16)), jnp.float32)
     pages = jnp.asarray(np.random.default_rng(1).standard_normal((10, 16, 1, 16)),
                         jnp.float32)
-    return lambda t=table: xattn_jax.kv_block_scores(
-        q, pages, block_table=t, kv_block_size=32, estimate_block_size=16, stride=8,
-        impl="reference")
+    return xattn_jax.kv_block_scores(q, pages, block_table=table, k_len=k_len,
+                                     kv_block_size=32, estimate_block_size=16, stride=8,
+                                     impl=impl)
 
 
 @pytest.mark.parametrize("ids", [[99, 0], [-1, 0], [0, 10]])
@@ -279,15 +280,18 @@ def test_page_id_outside_the_cache_is_refused(ids, kind):
     table = {"numpy": np.asarray([ids]), "list": [ids],
              "cpu_jax": jnp.asarray([ids], jnp.int32)}[kind]
     with pytest.raises(ValueError, match=r"block_table's page ids must lie in \[0, 10\)"):
-        _paged_chunk(table)()
+        _paged_scores(table)
 
 
-def test_traced_page_ids_are_clamped_into_the_cache():
-    """A traced table is not read: ids outside the cache read page 0 or the last page."""
-    run = _paged_chunk(None)
-    traced = jax.jit(lambda t: run(t))
-    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray([[99, -1]], jnp.int32))),
-                                  np.asarray(run(np.asarray([[9, 0]]))))
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_traced_page_ids_are_clamped_into_the_cache(impl):
+    """A traced table is not read: ids outside the cache read the last page or page 0, in
+    the reference and in the kernels (k_len 20: the second page is read masked)."""
+    traced = jax.jit(lambda t, n: _paged_scores(t, n, impl))
+    for n in (20, 32):
+        got = traced(jnp.asarray([[99, -1]], jnp.int32), jnp.int32(n))
+        want = _paged_scores(np.asarray([[9, 0]]), n, impl)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
 
 @pytest.mark.parametrize("call", [
@@ -379,11 +383,6 @@ def _traced_kv_select(scores, t, n):
     return xattn_jax.select_kv_blocks(scores, threshold=t, num_valid=n)
 
 
-def _traced_paged(q, pages, table):
-    return xattn_jax.kv_block_scores(q, pages, block_table=table, kv_block_size=32,
-                                     estimate_block_size=16, impl="reference")
-
-
 @pytest.mark.parametrize("t", [0.0, float("nan"), 1.5, -1.0])
 def test_checked_threshold(t):
     q, k = _chunk()
@@ -448,13 +447,11 @@ def test_unchecked_num_valid_as_documented():
 
 
 def test_checked_block_table():
-    q = Shapes().q(length=32)
-    pages = jnp.zeros((10, 16, 1, 16), jnp.float32)
-    run = jax.jit(xattn_jax.checked(_traced_paged))
-    err, _ = run(q, pages, jnp.asarray([[99, 0]], jnp.int32))
+    run = jax.jit(xattn_jax.checked(_paged_scores))
+    err, _ = run(jnp.asarray([[99, 0]], jnp.int32))
     with pytest.raises(ValueError, match=r"block_table's page ids must lie in \[0, 10\)"):
         err.throw()
-    err, _ = run(q, pages, jnp.asarray([[9, 0]], jnp.int32))
+    err, _ = run(jnp.asarray([[9, 0]], jnp.int32))
     assert err.get() is None
 
 
