@@ -183,8 +183,10 @@ def check_share(name: str, value) -> float:
 
 
 def _check_jax_share(name: str, value: jax.Array) -> jax.Array:
-    if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
-        raise ValueError(f"{name} must hold floats, got dtype {value.dtype}")
+    """A share given as a jax.Array, as float32: its dtype checked, its values in checked
+    mode only."""
+    if not any(jnp.issubdtype(value.dtype, kind) for kind in (jnp.floating, jnp.integer)):
+        raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
     t = value.astype(jnp.float32)
     check_traced((t > 0) & (t <= 1), f"{name} {_SHARE_RULE}, got {{}}", t)
     return t
