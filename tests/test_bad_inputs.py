@@ -1,6 +1,6 @@
 """Bad input to xattn_jax's public functions: a TypeError or ValueError naming the argument.
 
-`BAD` lists about 100 bad arguments, each one change to a valid call of one public function
+`BAD` lists about 250 bad arguments, each one change to a valid call of one public function
 (impl="reference"). Every one is refused with a TypeError or ValueError whose message
 names the argument: never another exception from inside JAX, never a result. Hypothesis
 draws them on random valid shapes. Then the bad inputs of issue 14 one by one, and the
