@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.common import floor_ms, log, strided_flops, time_ms
 from xattn_jax import reference
-from xattn_jax.geometry import check_qk
+from xattn_jax.checks import check_qk
 from xattn_jax.triton.block_sums import block_sums
 from xattn_jax.triton.plan import BLOCK_SUM_KERNELS, Tiles, plan_block_sums
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import np_reference as npr
 from cases import F32_RTOL, GPU_SLACK, QKCase
-from xattn_jax.geometry import Geometry, check_qk
+from xattn_jax.checks import check_qk
+from xattn_jax.geometry import Geometry
 from xattn_jax.triton.block_sums import block_sums as triton_block_sums
 from xattn_jax.triton.plan import (ONE_PASS, ONE_PASS_STEP_BYTES, ONE_PASS_WHOLE_CALL_BYTES,
                                    TWO_PASS, Plan, Tiles, plan_block_sums)

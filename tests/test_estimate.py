@@ -137,7 +137,7 @@ def test_max_scratch_bytes_changes_how_the_call_is_stepped_not_the_result(impl, 
     """A bound of one row step of one head (several kernel calls) and one below it (the
     two-pass kernel) give the default's block sums and mask, with less workspace; the
     reference ignores the bound."""
-    from xattn_jax.geometry import check_qk
+    from xattn_jax.checks import check_qk
     from xattn_jax.triton.plan import TWO_PASS, plan_block_sums
 
     case = ApiCase("causal_steps_f32", 1, 2, 1, 1560, 1560, 16, 8, 32, True)

@@ -15,7 +15,7 @@ import pytest
 
 import np_reference as npr
 from xattn_jax import kv_blocks, reference
-from xattn_jax.geometry import check_qk
+from xattn_jax.checks import check_qk
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
 from xattn_jax.triton.block_sums import block_sums
 from xattn_jax.triton.plan import BLOCK_SUM_KERNELS, ONE_PASS, Tiles, plan_block_sums
@@ -48,8 +48,9 @@ def test_scores_match_float64_block_sums(impl, k_len, seed):
     n = want.shape[-1]
     np.testing.assert_allclose(got[..., :n], want, rtol=RTOL, atol=RTOL * want.max(),
                                err_msg=f"seed={seed}")
-    assert np.all(got[..., n:] == 0), f"blocks past k_len must score 0, seed={seed}"
-    np.testing.assert_allclose(got.sum(-1), 160 // 8, rtol=1e-5)  # one per query row
+    assert np.all(got[..., n:] == kv_blocks.EMPTY_BLOCK), \
+        f"blocks past k_len must score EMPTY_BLOCK, seed={seed}"
+    np.testing.assert_allclose(got[..., :n].sum(-1), 160 // 8, rtol=1e-5)  # one per query row
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -68,7 +69,7 @@ def test_keys_past_k_len_never_leak(impl, seed):
     n = exact.shape[-1]
     np.testing.assert_allclose(np.asarray(got[..., :n]), np.asarray(exact), rtol=RTOL,
                                atol=1e-7, err_msg=f"seed={seed}")
-    assert np.all(np.asarray(got[..., n:]) == 0)
+    assert np.all(np.asarray(got[..., n:]) == kv_blocks.EMPTY_BLOCK)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -98,7 +99,9 @@ def test_one_compilation_for_a_growing_context(impl, seed):
     before = kv_blocks._kv_scores._cache_size()
     for chunk in range(16):
         scores = call(q, k, jnp.int32(64 * (chunk + 1)))
-        assert float(scores.sum()) == pytest.approx(4 * 64 // 8, rel=1e-4)
+        holding = -(-64 * (chunk + 1) // 256)  # blocks that hold keys
+        assert np.all(np.asarray(scores[..., holding:]) == kv_blocks.EMPTY_BLOCK)
+        assert float(scores[..., :holding].sum()) == pytest.approx(4 * 64 // 8, rel=1e-4)
     assert call._cache_size() == 1
     assert kv_blocks._kv_scores._cache_size() - before <= 1
 
@@ -131,7 +134,8 @@ def test_selection_errors(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(kv_block_size=256, estimate_block_size=96), "divide"),
+    (dict(kv_block_size=256, estimate_block_size=96),
+     r"kv_block_size must be a positive multiple of estimate_block_size \(96\)"),
     (dict(kv_block_size=0), "kv_block_size"),
     (dict(estimate_block_size=60, kv_block_size=120), "block_size"),
     (dict(k_len=0), "k_len"),

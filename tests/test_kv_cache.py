@@ -212,15 +212,15 @@ def test_append_to_an_offloaded_last_block(rand):
                    r"the last block, which has room\): block 1 is offloaded")
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(num_blocks=0), "num_blocks must be an integer >= 1"),
-    (dict(block_size=2.0), "block_size must be an integer"),
-    (dict(staging_slots=-1), "staging_slots must be an integer >= 0"),
-    (dict(dtype=torch.float64), "dtype must be float32, bfloat16 or float16"),
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(num_blocks=0), ValueError, "num_blocks must be an integer >= 1"),
+    (dict(block_size=2.0), TypeError, "block_size must be an integer >= 1, got 2.0"),
+    (dict(staging_slots=-1), ValueError, "staging_slots must be an integer >= 0"),
+    (dict(dtype=torch.float64), ValueError, "dtype must be float32, bfloat16 or float16"),
 ])
-def test_constructor_checks(kwargs, message):
+def test_constructor_checks(kwargs, error, message):
     args = dict(num_blocks=2, block_size=BS, kv_heads=HKV, head_dim=D, device="cpu") | kwargs
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         PagedKVCache(**args)
 
 

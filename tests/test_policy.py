@@ -174,15 +174,20 @@ def test_empty_last_block_is_refused(rand):
         XAttentionPolicy(0.9, STRIDE, EBS).select_blocks(q, cache, ids)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(threshold=0), r"threshold must lie in \(0, 1\]"),
-    (dict(threshold=True), r"threshold must lie in \(0, 1\]"),
-    (dict(stride=0), "stride must be a positive integer"),
-    (dict(estimate_block_size=20), r"estimate_block_size \(20\) must be a multiple of stride"),
-    (dict(rule="max"), "rule must be one of"),
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(threshold=0), ValueError, r"threshold must lie in \(0, 1\]"),
+    (dict(threshold=True), TypeError, r"threshold must be a float in \(0, 1\]"),
+    (dict(threshold="0.9"), TypeError, r"threshold must be a float in \(0, 1\]"),
+    (dict(stride=0), ValueError, "stride must be an integer >= 1"),
+    (dict(estimate_block_size=20), ValueError,
+     r"estimate_block_size must be a positive multiple of stride \(8\), at most 65536, got 20"),
+    (dict(rule="max"), ValueError, "rule must be one of"),
+    (dict(keep_last=1), TypeError, "keep_last must be True or False"),
+    (dict(norm=0.0), ValueError, "norm must be a finite number > 0"),
+    (dict(impl="cuda"), ValueError, "impl must be one of"),
 ])
-def test_constructor_checks(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_constructor_checks(kwargs, error, message):
+    with pytest.raises(error, match=message):
         XAttentionPolicy(**kwargs)
 
 

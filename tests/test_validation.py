@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import xattn_jax
-from xattn_jax.geometry import check_qk, threshold_per_head
+from xattn_jax.checks import check_qk, threshold_per_head
 
 
 def _qk(q_shape=(1, 2, 64, 16), k_shape=(1, 1, 64, 16), q_dtype=jnp.float32,
@@ -55,29 +55,37 @@ def test_causal_alignment_rule_only_when_causal():
         check_qk(q, k, stride=8, block_size=16, causal=True)
 
 
-@pytest.mark.parametrize("block_size,stride,match", [
-    (12, 8, r"block_size must be a positive multiple of stride"),
-    (0, 8, r"block_size"),
-    (-16, 8, r"block_size"),
-    (16.0, 8, r"block_size"),
-    (16, 0, r"stride must be an integer >= 1"),
-    (16, -8, r"stride"),
-    (16, 2.0, r"stride"),
-    (16, True, r"stride"),
+@pytest.mark.parametrize("block_size,stride,error,match", [
+    (12, 8, ValueError, r"block_size must be a positive multiple of stride"),
+    (0, 8, ValueError, r"block_size"),
+    (-16, 8, ValueError, r"block_size"),
+    (16.0, 8, TypeError, r"block_size"),
+    (16, 0, ValueError, r"stride must be an integer >= 1"),
+    (16, -8, ValueError, r"stride"),
+    (16, 2.0, TypeError, r"stride"),
+    (16, True, TypeError, r"stride"),
 ])
-def test_bad_block_size_or_stride(impl, block_size, stride, match):
+def test_bad_block_size_or_stride(impl, block_size, stride, error, match):
     q, k = _qk()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         _estimate(impl, q, k, block_size=block_size, stride=stride)
 
 
 @pytest.mark.parametrize("threshold", [0.0, -0.1, 1.0001, 2, float("nan"), float("inf"),
-                                       [0.5, 0.5, 0.5], [[0.5, 0.5]], [0.5, 0.0], True],
+                                       [0.5, 0.5, 0.5], [[0.5, 0.5]], [0.5, 0.0]],
                          ids=["zero", "negative", "above_one", "two", "nan", "inf",
-                              "wrong_length", "rank2", "one_head_zero", "bool"])
+                              "wrong_length", "rank2", "one_head_zero"])
 def test_bad_threshold(impl, threshold):
     q, k = _qk()  # two query heads
     with pytest.raises(ValueError, match="threshold"):
+        _estimate(impl, q, k, threshold=threshold)
+
+
+@pytest.mark.parametrize("threshold", [True, "0.9", None, ["0.5", "0.5"], [True, True]],
+                         ids=["bool", "string", "none", "strings", "bools"])
+def test_threshold_of_wrong_type(impl, threshold):
+    q, k = _qk()
+    with pytest.raises(TypeError, match="threshold must be a float"):
         _estimate(impl, q, k, threshold=threshold)
 
 
@@ -104,17 +112,20 @@ def test_bad_dtypes(impl, q_dtype, k_dtype, match):
         _estimate(impl, q, k)
 
 
-@pytest.mark.parametrize("norm", [0.0, -1.0, float("inf"), float("nan"), True, "2"])
-def test_bad_norm(impl, norm):
+@pytest.mark.parametrize("norm,error", [(0.0, ValueError), (-1.0, ValueError),
+                                        (float("inf"), ValueError), (float("nan"), ValueError),
+                                        (True, TypeError), ("2", TypeError)])
+def test_bad_norm(impl, norm, error):
     q, k = _qk()
-    with pytest.raises(ValueError, match="norm"):
+    with pytest.raises(error, match="norm must be a finite number > 0"):
         _estimate(impl, q, k, norm=norm)
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "1024"])
-def test_bad_max_scratch_bytes(impl, value):
+@pytest.mark.parametrize("value,error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                         (True, TypeError), ("1024", TypeError)])
+def test_bad_max_scratch_bytes(impl, value, error):
     q, k = _qk()
-    with pytest.raises(ValueError, match="max_scratch_bytes"):
+    with pytest.raises(error, match="max_scratch_bytes must be an integer >= 1"):
         _estimate(impl, q, k, max_scratch_bytes=value)
 
 

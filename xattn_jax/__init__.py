@@ -4,12 +4,16 @@ Public API: `xattn_estimate` (the whole estimate), and its stages `strided_score
 `select_blocks`; `kv_block_scores` and `select_kv_blocks` (chunked prefill over a KV
 cache); `block_sparse_attention` (attention on a block mask) and `xattention` (the
 estimate, then that attention); `xattn_jax.reference` is the plain-JAX source of truth.
+`checked(fn)` runs `fn` with the values that are data (traced thresholds, key counts,
+block tables) checked too.
 """
 
 from xattn_jax.api import select_blocks, strided_scores, xattn_estimate
 from xattn_jax.attention import block_sparse_attention, xattention
+from xattn_jax.checks import checked
 from xattn_jax.geometry import Geometry
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
 
-__all__ = ["Geometry", "block_sparse_attention", "kv_block_scores", "select_blocks",
-           "select_kv_blocks", "strided_scores", "xattention", "xattn_estimate"]
+__all__ = ["Geometry", "block_sparse_attention", "checked", "kv_block_scores",
+           "select_blocks", "select_kv_blocks", "strided_scores", "xattention",
+           "xattn_estimate"]

@@ -9,8 +9,9 @@ import functools
 import jax
 
 from xattn_jax import impls
-from xattn_jax.geometry import (Geometry, check_norm, check_qk, check_scratch_bytes,
-                                threshold_per_head)
+from xattn_jax.checks import (check_block_sums, check_flag, check_norm, check_qk,
+                              check_scratch_bytes, threshold_per_head)
+from xattn_jax.geometry import Geometry
 from xattn_jax.impls import Implementation
 
 
@@ -20,7 +21,8 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, float32 / bfloat16 / float16.
     Returns float32 `[B, Hq, ceil(Lq/stride), ceil(Lk/stride)]`. This materializes the whole
-    O((L/stride)^2) matrix; `xattn_estimate` never does.
+    O((L/stride)^2) matrix; `xattn_estimate` never does. A stride longer than a sequence
+    is allowed: its one partly filled group reads zeros for the missing tokens.
     """
     geom = check_qk(q, k, stride=stride, block_size=stride, causal=False)
     return impls.resolve(impl, q, k).strided_scores(q, k, geom=geom, norm=check_norm(norm))
@@ -31,17 +33,16 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
                   impl: str = "auto") -> jax.Array:
     """ESTIMATE.md section 4 on given block sums: float32 `[B, Hq, qb, kb]` -> bool mask.
 
-    threshold: a float in (0, 1] or one value per query head, `[Hq]`.
+    block_sums: floats (any float dtype, computed in float32), no more query than key
+      blocks. threshold: a float in (0, 1] or one value per query head, `[Hq]`.
+    Unchecked values (a jax.Array threshold, whose values are not read; `xattn_jax.checked`
+    checks them): as in `xattn_estimate`.
     """
-    if getattr(block_sums, "ndim", None) != 4:
-        raise ValueError(f"block_sums must have rank 4 [B, Hq, qb, kb], got "
-                         f"shape {getattr(block_sums, 'shape', None)}")
-    if block_sums.shape[-2] > block_sums.shape[-1]:
-        raise ValueError(f"block_sums may not have more query blocks than key blocks, "
-                         f"got shape {block_sums.shape}")
+    check_block_sums(block_sums)
     t = threshold_per_head(threshold, block_sums.shape[1])
-    return _select(block_sums.astype("float32"), t, causal=bool(causal),
-                   keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
+    return _select(block_sums.astype("float32"), t, causal=check_flag("causal", causal),
+                   keep_sink=check_flag("keep_sink", keep_sink),
+                   keep_recent=check_flag("keep_recent", keep_recent),
                    impl=impls.resolve(impl, block_sums))
 
 
@@ -78,7 +79,11 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       block_size: tokens per block, a positive multiple of `stride`.
       stride: S, tokens per antidiagonal group.
       threshold: share of each row's mass to keep, in (0, 1]: a float, or `[Hq]` floats.
-        Passed as data, so changing it does not recompile.
+        Passed as data, so changing it does not recompile. Numbers, numpy values and
+        lists are checked on the host; a jax.Array (maybe traced) only in checked mode
+        (`xattn_jax.checked`). Unchecked, a jax.Array value of 0 or below, or NaN, keeps
+        only the forced blocks of its rows (none without causal, keep_sink or
+        keep_recent); one above 1 keeps every block a row may attend to.
       causal: causal masking; with Lq < Lk, Lk - Lq must be a multiple of block_size.
       norm: extra divisor of the scores (a softmax temperature).
       keep_sink / keep_recent: also always keep key block 0 / the diagonal block (these
@@ -95,7 +100,9 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     Returns:
       `(block_sums, mask)`: float32 and bool, both `[B, Hq, ceil(Lq/block_size),
       ceil(Lk/block_size)]`. Each full query block's row of block_sums sums to
-      block_size / stride.
+      block_size / stride. A block size (or stride) longer than the sequences is allowed:
+      one block covers them (`[B, Hq, 1, 1]`, its sum ceil(Lq/stride), always selected);
+      padding never changes a result.
 
     Non-finite inputs: a NaN in q or k, or an inf in q, makes every softmax row that sees
     it NaN, so the block sums of its query block are NaN, and the mask of such a row keeps
@@ -106,7 +113,9 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     """
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     t = threshold_per_head(threshold, geom.q_heads)
-    return _estimate(q, k, t, geom=geom, causal=bool(causal), norm=check_norm(norm),
-                     keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
+    return _estimate(q, k, t, geom=geom, causal=check_flag("causal", causal),
+                     norm=check_norm(norm),
+                     keep_sink=check_flag("keep_sink", keep_sink),
+                     keep_recent=check_flag("keep_recent", keep_recent),
                      impl=impls.resolve(impl, q, k),
                      max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))

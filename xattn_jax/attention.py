@@ -22,8 +22,8 @@ import numpy as np
 
 from xattn_jax import reference
 from xattn_jax.api import xattn_estimate
-from xattn_jax.geometry import Geometry, check_norm, check_qk, threshold_per_head
-from xattn_jax.kv_blocks import _paged_view
+from xattn_jax.checks import cached_keys, check_norm, check_qk, threshold_per_head
+from xattn_jax.geometry import Geometry
 
 IMPLS = ("auto", "reference", "mosaic", "triton")
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
@@ -136,7 +136,7 @@ def _key_count(k_len, geom: Geometry):
 def _check_attention(q, k, v, block_size, block_table) -> Geometry:
     """Checks q, k, v (and the block table); the geometry with k's contiguous length."""
     block_size = _check_block_size(block_size)
-    keys = k if block_table is None else _paged_view(q, k, block_table)
+    keys, _ = cached_keys(q, k, block_table)
     # stride 1 and causal=False: the attention has neither a stride nor an alignment rule
     geom = check_qk(q, keys, stride=1, block_size=block_size, causal=False)
     _check_v(v, k, block_table)

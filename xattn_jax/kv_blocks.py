@@ -15,35 +15,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from xattn_jax import impls, reference
-from xattn_jax.geometry import Geometry, check_norm, check_qk
+from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_float_array,
+                              check_kv_sizes, check_norm, check_qk, key_len, kv_groups,
+                              scalar_threshold, valid_counts)
+from xattn_jax.geometry import Geometry
 from xattn_jax.impls import Implementation
 
 RULES = ("score", "vote")
-
-
-def _check_sizes(kv_block_size, estimate_block_size, stride) -> None:
-    for name, value in (("kv_block_size", kv_block_size),
-                        ("estimate_block_size", estimate_block_size)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if kv_block_size % estimate_block_size:
-        raise ValueError(f"estimate_block_size ({estimate_block_size}) must divide "
-                         f"kv_block_size ({kv_block_size})")
-
-
-def _key_len(k_len, capacity: int) -> jax.Array:
-    """k_len as int32 `[]`; a Python int is checked against the buffer's capacity."""
-    if k_len is None:
-        return jnp.int32(capacity)
-    if isinstance(k_len, (int, np.integer)) and not isinstance(k_len, bool):
-        if not 1 <= k_len <= capacity:
-            raise ValueError(f"k_len must lie in [1, {capacity}] (k's length), got {k_len}")
-    elif not isinstance(k_len, jax.Array) or k_len.ndim:
-        raise ValueError(f"k_len must be an int or a scalar jax.Array, got {k_len!r}")
-    return jnp.asarray(k_len, jnp.int32)
+EMPTY_BLOCK = -1.0  # the score of a KV block that holds no key (a real share is >= 0)
 
 
 def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -55,22 +36,6 @@ def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], groups, size, *x.shape[axis + 1:]).sum(axis=axis + 1)
 
 
-def _paged_view(q, pages, block_table) -> jax.ShapeDtypeStruct:
-    """Checks a paged cache and its block table; returns the contiguous keys' shape."""
-    if getattr(pages, "ndim", None) != 4:
-        raise ValueError(f"k must be a paged cache [num_pages, page_size, Hkv, D] when "
-                         f"block_table is given, got shape {getattr(pages, 'shape', None)}")
-    if getattr(block_table, "ndim", None) != 2 or not jnp.issubdtype(block_table.dtype,
-                                                                     jnp.integer):
-        raise ValueError(f"block_table must be integers [batch, pages_per_seq], got "
-                         f"{getattr(block_table, 'dtype', None)} "
-                         f"{getattr(block_table, 'shape', None)}")
-    if block_table.shape[0] != q.shape[0]:
-        raise ValueError(f"block_table must have one row per batch element ({q.shape[0]}), "
-                         f"got {block_table.shape[0]}")
-    _, page_size, kv_heads, head_dim = pages.shape
-    return jax.ShapeDtypeStruct((q.shape[0], kv_heads, block_table.shape[1] * page_size,
-                                 head_dim), pages.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "norm", "per_kv_block",
@@ -80,7 +45,9 @@ def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_k
     sums = impl.block_sums(q, k, geom=geom, causal=False, norm=norm, key_len=key_len,
                            block_table=block_table)
     rows = _sum_groups(sums, 2, per_kv_block) if per_query_block else sums.sum(axis=2)
-    return _sum_groups(rows, rows.ndim - 1, per_kv_block)
+    scores = _sum_groups(rows, rows.ndim - 1, per_kv_block)
+    first_key = jnp.arange(scores.shape[-1]) * (per_kv_block * geom.block_size)
+    return jnp.where(first_key < key_len, scores, EMPTY_BLOCK)
 
 
 def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
@@ -91,51 +58,35 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
 
     q: the chunk `[B, Hq, Lq, D]`, all of it after every cached key (no causal mask).
     k: the cached keys `[B, Hkv, capacity, D]`, Lq <= capacity; only the first `k_len`
-      hold keys (an int, or a traced int32 scalar: new values do not recompile). Or, with
-      `block_table` (int32 `[B, pages_per_seq]`), a paged cache `[num_pages, page_size,
-      Hkv, D]` (the layout of vLLM and nano-vllm), whose sequence b is the pages
-      block_table[b] in order (capacity = pages_per_seq * page_size); the kernel reads
-      the pages through the table, with no gathered copy.
-    n = ceil(capacity / kv_block_size); blocks past k_len score 0. A head's scores sum to
-    ceil(Lq / stride): each reshaped query row's softmax sums to 1. estimate_block_size
-    must be a multiple of stride and divide kv_block_size; the result equals the direct
-    computation at kv_block_size. per_query_block keeps the chunk's query blocks (of
-    kv_block_size tokens): `[B, Hq, ceil(Lq / kv_block_size), n]`, the rows of the "vote"
-    rule of `select_kv_blocks`.
+      hold keys (an int in [1, capacity], or an int32 scalar jax.Array, maybe traced: new
+      values do not recompile). Or, with `block_table` (int32 `[B, pages_per_seq]`), a
+      paged cache `[num_pages, page_size, Hkv, D]` (the layout of vLLM and nano-vllm),
+      whose sequence b is the pages block_table[b] in order (capacity = pages_per_seq *
+      page_size); the kernel reads the pages through the table, with no gathered copy.
+      Page ids must lie in [0, num_pages): a table given as numpy or lists, or as a
+      jax.Array on the CPU, is checked (ValueError); a traced table or one on a GPU is not
+      read (that would wait for the device).
+    n = ceil(capacity / kv_block_size). A block that holds no key (it starts at or past
+    k_len) scores `EMPTY_BLOCK` (-1; no share is negative), which `select_kv_blocks` never
+    selects. A head's scores over the other blocks sum to ceil(Lq / stride): each reshaped
+    query row's softmax sums to 1. estimate_block_size must be a multiple of stride and
+    divide kv_block_size; the result equals the direct computation at kv_block_size.
+    per_query_block keeps the chunk's query blocks (of kv_block_size tokens):
+    `[B, Hq, ceil(Lq / kv_block_size), n]`, the rows of the "vote" rule of
+    `select_kv_blocks`.
+
+    Unchecked values (a jax.Array k_len or block_table; `xattn_jax.checked` checks them):
+    k_len below 1 makes every block EMPTY_BLOCK; k_len past the capacity counts as the
+    capacity; page ids outside [0, num_pages) are clamped into it (page 0 or the last page).
     """
-    _check_sizes(kv_block_size, estimate_block_size, stride)
-    keys = k if block_table is None else _paged_view(q, k, block_table)
+    check_kv_sizes(kv_block_size, estimate_block_size, stride)
+    keys, table = cached_keys(q, k, block_table)
     geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
-    table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
-    return _kv_scores(q, k, _key_len(k_len, geom.k_len), table, geom=geom,
+    return _kv_scores(q, k, key_len(k_len, geom.k_len), table, geom=geom,
                       norm=check_norm(norm),
                       per_kv_block=kv_block_size // estimate_block_size,
-                      per_query_block=bool(per_query_block),
+                      per_query_block=check_flag("per_query_block", per_query_block),
                       impl=impls.resolve(impl, q, k))
-
-
-def _valid_counts(num_valid, batch: int, blocks: int):
-    """Blocks in use per batch element, int32 `[B]` (the first num_valid are)."""
-    if num_valid is None:
-        return np.full((batch,), blocks, np.int32)
-    if isinstance(num_valid, (int, np.integer)) and not isinstance(num_valid, bool):
-        if not 1 <= num_valid <= blocks:
-            raise ValueError(f"num_valid must lie in [1, {blocks}], got {num_valid}")
-        return np.full((batch,), num_valid, np.int32)
-    if getattr(num_valid, "shape", None) not in ((), (batch,)):
-        raise ValueError(f"num_valid must be an int, or ints of shape [] or [{batch}], got "
-                         f"{num_valid!r}")
-    return jnp.broadcast_to(jnp.asarray(num_valid, jnp.int32), (batch,))
-
-
-def _check_groups(heads: int, per_kv_head: bool, kv_heads) -> int:
-    """G: the selection's groups of query heads (kv_heads of them, or 1)."""
-    if not per_kv_head:
-        return 1
-    if not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"per_kv_head=True needs kv_heads, a divisor of the {heads} query "
-                         f"heads, got {kv_heads!r}")
-    return int(kv_heads)
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "groups", "keep_first", "keep_last",
@@ -147,7 +98,8 @@ def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first:
     scores = scores.astype(jnp.float32)
     groups = scores.reshape(scores.shape[0], groups, -1, *scores.shape[2:])
     j = jnp.arange(scores.shape[-1])
-    valid = j[None, None, :] < counts[:, None, None]  # [B, 1, n]
+    empty = (scores < 0).any(axis=tuple(range(1, scores.ndim - 1)))  # [B, n]: EMPTY_BLOCK
+    valid = ((j < counts[:, None]) & ~empty)[:, None, :]  # [B, 1, n]
     if rule == "score":
         mass, ok = groups.mean(axis=2), valid
     else:
@@ -158,7 +110,7 @@ def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first:
     take = jnp.where(jnp.isfinite(total) & (total > 0), take, ok)
     if rule == "vote":  # strict majority of the group's rows (query heads x query blocks)
         take = take.sum(axis=(2, 3)) * 2 > take.shape[2] * take.shape[3]
-    last = valid.sum(axis=-1, keepdims=True) - 1
+    last = jnp.where(valid, j, -1).max(axis=-1, keepdims=True)
     keep = ((j == 0) & keep_first) | ((j == last) & keep_last)
     mask = (take | keep) & valid
     return mask if per_kv_head else mask[:, 0]
@@ -171,33 +123,40 @@ def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: 
 
     scores: `[B, Hq, n]` from `kv_block_scores` (rule "score"), or per query block
       `[B, Hq, R, n]` (rule "vote": block sums of the chunk's R query blocks).
-    threshold: share of the mass to keep, in (0, 1].
+    threshold: share of the mass to keep, in (0, 1]: a float, or a float32 scalar
+      jax.Array (maybe traced).
     per_kv_head: select once per KV head (`kv_heads` of them) from its query heads, the
       union a KV head's attention needs; otherwise once for all heads.
-    num_valid: KV blocks in use, an int or `[B]` ints (may be traced; default n). Later
-      blocks are never selected.
+    num_valid: KV blocks in use, an int in [1, n] or `[B]` such ints (a jax.Array may be
+      traced; default n). Later blocks are never selected.
+    A block that holds no key (a negative score in any head: `EMPTY_BLOCK` from
+    `kv_block_scores`) is never selected, whatever num_valid says.
     rule "score": average over the group's heads, take blocks in descending order (ties:
       lower index first) until the cumulative share of the valid mass reaches threshold.
     rule "vote" (the engine's earlier rule, kept for comparison): each row (query head,
       query block) keeps its smallest set reaching the threshold; a block is selected by a
       strict majority of the group's rows.
-    keep_first / keep_last then add block 0 (attention sink) and the last valid block
-    (most recent context); they do not count towards the threshold. A group or row whose
-    mass is not finite or not positive keeps every valid block.
+    keep_first / keep_last then add block 0 (attention sink) and the last block that holds
+    keys within num_valid (most recent context), when they hold keys; they do not count
+    towards the threshold. A group or row whose mass is not finite or not positive keeps
+    every valid block.
+
+    Unchecked values (jax.Array threshold or num_valid; `xattn_jax.checked` checks them):
+    a threshold of 0 or below, or NaN, selects only the keep_first / keep_last blocks; one
+    above 1 selects every valid block. num_valid below 1 selects nothing; past n it counts
+    as n.
     impl: checked like every function's (`xattn_jax.impls`); the selection is plain JAX,
     the same for every implementation (it is small: no kernel gains).
     """
     impls.resolve(impl, scores)
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    want = 3 if rule == "score" else 4
-    if getattr(scores, "ndim", None) != want:
-        raise ValueError(f"rule={rule!r} takes scores of rank {want}, got shape "
-                         f"{getattr(scores, 'shape', None)}")
-    if isinstance(threshold, bool) or not 0 < float(threshold) <= 1:
-        raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
+    check_choice("rule", rule, RULES)
+    check_float_array("scores", scores,
+                      "[B, Hq, n] (rule 'score')" if rule == "score" else
+                      "[B, Hq, R, n] (rule 'vote')")
     batch, blocks = scores.shape[0], scores.shape[-1]
-    return _select_kv(scores, _valid_counts(num_valid, batch, blocks), np.float32(threshold),
-                      rule=rule, groups=_check_groups(scores.shape[1], per_kv_head, kv_heads),
-                      keep_first=bool(keep_first), keep_last=bool(keep_last),
-                      per_kv_head=bool(per_kv_head))
+    per_kv_head = check_flag("per_kv_head", per_kv_head)
+    return _select_kv(scores, valid_counts(num_valid, batch, blocks),
+                      scalar_threshold(threshold), rule=rule,
+                      groups=kv_groups(scores.shape[1], per_kv_head, kv_heads),
+                      keep_first=check_flag("keep_first", keep_first),
+                      keep_last=check_flag("keep_last", keep_last), per_kv_head=per_kv_head)

@@ -69,7 +69,8 @@ import torch
 import torch.utils.dlpack
 from jax._src.lib import _jax
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.bool)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of q and k
+DTYPES = (*FLOAT_DTYPES, torch.int32, torch.bool)
 CPU_ALIGN = 64  # bytes: JAX refuses to view less aligned host memory
 CUDA_ALIGN = 16  # bytes: XLA's alignment of kernel arguments
 _DL_CPU, _DL_CUDA = 1, 2  # DLPack device types
@@ -130,17 +131,21 @@ def _new_place(device: torch.device, name: str) -> Place:
                  torch.cuda.ExternalStream(stream, device=device))
 
 
-def place_of(tensor: torch.Tensor, name: str, copy: bool) -> tuple[torch.Tensor, Place]:
+def place_of(tensor: torch.Tensor, name: str, copy: bool,
+             dtypes: tuple[torch.dtype, ...] = DTYPES) -> tuple[torch.Tensor, Place]:
     """Checks `tensor` for a zero-copy hand-off and finds its JAX device.
 
+    dtypes: those accepted (default: every dtype `to_jax` hands over; the caller's own
+    rule where it is narrower, so that the message names only what is accepted).
     Returns the tensor (a fresh contiguous copy if `copy`) and its Place. Raises TypeError
     or ValueError naming `name` and the rule it broke.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in DTYPES:
-        raise ValueError(f"{name} must have dtype bfloat16, float16, float32, int32 or "
-                         f"bool, got {tensor.dtype}")
+    if tensor.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise ValueError(f"{name} must have dtype {', '.join(names[:-1])} or {names[-1]}, "
+                         f"got {tensor.dtype}")
     if tensor.requires_grad:
         raise ValueError(f"{name} requires grad, which DLPack cannot carry: pass "
                          f"{name}.detach()")

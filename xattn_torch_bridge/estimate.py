@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 import xattn_jax
+from xattn_jax.checks import check_flag
 
-from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
+from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, place_of, to_torch,
+                                      views_for_one_computation)
 
 
 def _detached(x):
@@ -43,8 +45,9 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
       `(block_sums, mask)`: float32 and bool torch tensors `[B, Hq, ceil(Lq/block_size),
       ceil(Lk/block_size)]` on q's device, sharing memory with JAX's results.
     """
-    q, place = place_of(_detached(q), "q", copy)
-    k, k_place = place_of(_detached(k), "k", copy)
+    copy = check_flag("copy", copy)
+    q, place = place_of(_detached(q), "q", copy, FLOAT_DTYPES)
+    k, k_place = place_of(_detached(k), "k", copy, FLOAT_DTYPES)
     if k_place is not place:
         raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
     if isinstance(kwargs.get("threshold"), torch.Tensor):

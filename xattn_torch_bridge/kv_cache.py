@@ -29,14 +29,9 @@ Stream order on CUDA. `append`, `offload` and `load` copy on torch's current str
 from __future__ import annotations
 
 import torch
+from xattn_jax.checks import check_int
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _positive(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class PagedKVCache:
@@ -58,9 +53,9 @@ class PagedKVCache:
                  staging_slots: int = 2):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            _positive(name, value)
-        _positive("num_cpu_blocks", num_cpu_blocks, 0)
-        _positive("staging_slots", staging_slots, 0)
+            check_int(name, value)
+        check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        check_int("staging_slots", staging_slots, 0)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -124,7 +119,7 @@ class PagedKVCache:
 
     def allocate(self, n: int) -> list[int]:
         """n new empty resident blocks; returns their ids."""
-        _positive("n", n, 0)
+        check_int("n", n, 0)
         if n > len(self._free):
             raise ValueError(f"n: out of capacity: {n} blocks asked, {len(self._free)} "
                              f"device blocks free")

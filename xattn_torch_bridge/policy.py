@@ -21,11 +21,12 @@ power of two, not once per block.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 import torch
 import xattn_jax
+from xattn_jax.checks import (check_choice, check_estimate_block_size, check_flag, check_norm,
+                              check_share)
+from xattn_jax.impls import IMPLS
 from xattn_jax.kv_blocks import RULES
 
 from xattn_torch_bridge.dlpack import place_of, views_for_one_computation
@@ -53,21 +54,14 @@ class XAttentionPolicy:
                  estimate_block_size: int = 1024, *, rule: str = "score",
                  keep_first: bool = True, keep_last: bool = True, per_kv_head: bool = False,
                  norm: float = 1.0, impl: str = "auto"):
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
-                or not 0 < threshold <= 1:
-            raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
-        for name, value in (("stride", stride), ("estimate_block_size", estimate_block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if estimate_block_size % stride:
-            raise ValueError(f"estimate_block_size ({estimate_block_size}) must be a "
-                             f"multiple of stride ({stride})")
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.threshold, self.stride = threshold, stride
-        self.estimate_block_size = estimate_block_size
-        self.rule, self.keep_first, self.keep_last = rule, keep_first, keep_last
-        self.per_kv_head, self.norm, self.impl = per_kv_head, norm, impl
+        self.threshold = check_share("threshold", threshold)
+        self.estimate_block_size = check_estimate_block_size(estimate_block_size, stride)
+        self.stride = int(stride)
+        self.rule = check_choice("rule", rule, RULES)
+        self.keep_first = check_flag("keep_first", keep_first)
+        self.keep_last = check_flag("keep_last", keep_last)
+        self.per_kv_head = check_flag("per_kv_head", per_kv_head)
+        self.norm, self.impl = check_norm(norm), check_choice("impl", impl, IMPLS)
 
     def select_blocks(self, q: torch.Tensor, cache: PagedKVCache, block_ids) -> list[int]:
         """The ids of the blocks in `block_ids` that the chunk `q` attends to.

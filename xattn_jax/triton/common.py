@@ -110,15 +110,14 @@ def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
 
     pages_ref: `[num_pages, page_size, Hkv, D]`; table_ref: int32 `[pages_per_seq]`, the
     sequence's pages in order (token t lives in page table[t // page_size] at row
-    t % page_size); kv_head: the key head to read. With length None, table entries past
-    the sequence's pages may hold anything: page numbers are clamped into the cache.
+    t % page_size); kv_head: the key head to read. Page numbers are clamped into the
+    cache: an id outside [0, num_pages) reads page 0 or the last page (with length None,
+    table entries past the sequence's pages may hold anything).
     """
     num_pages, page_size = pages_ref.shape[:2]
     cols, col_mask = _head_columns(head_dim, part, depth)
     mask, slots = _row_mask(tokens, length, col_mask)
-    pages = plgpu.load(table_ref.at[slots // page_size])
-    if length is None:
-        pages = jnp.clip(pages, 0, num_pages - 1)
+    pages = jnp.clip(plgpu.load(table_ref.at[slots // page_size]), 0, num_pages - 1)
     return _load(pages_ref.at[pages[:, None], (slots % page_size)[:, None], kv_head, cols],
                  mask)
 
