@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: timing, floors, memory, records and tables.
 
-Floors use the ceilings measured on our H200 (../shared/anchors/H200.md): the bf16 XLA
+Floors use the ceilings measured on our H200 (session 1, 2026-11-29): the bf16 XLA
 matmul at 753 TFLOP/s and a device-to-device copy at 4.25 TB/s.
 """
 

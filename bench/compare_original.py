@@ -11,7 +11,7 @@ arranged *in this script* (never in the checkout) so that it runs on a machine w
 GPU; none of them changes what the original computes:
 
 1. `TRITON_INTERPRET=1` is set before Triton is imported, so the original's Triton kernels
-   run in Triton's interpreter on CPU float32 tensors (ESTIMATE.md: its Triton path is the
+   run in Triton's interpreter on CPU float32 tensors (docs/estimate.md: its Triton path is the
    reference; its pure-torch path is wrong for causal inputs that need no padding).
 2. Its estimate turns the Triton path off unless the CUDA device name contains "100", and
    asking CUDA for a device name fails without a GPU. While the original runs, this script
@@ -25,7 +25,7 @@ GPU; none of them changes what the original computes:
 Inputs and what is compared. Both sides get the same random float32 q `[B, Hq, Lq, D]`
 and k `[B, Hkv, Lk, D]`. The original needs Hq == Hkv, so for GQA cases it gets k with
 each key head repeated Hq/Hkv times (query head h reads key head h // (Hq/Hkv), as in
-ESTIMATE.md); ours gets the unrepeated k. The original pads to its `chunk_size` with a
+docs/estimate.md); ours gets the unrepeated k. The original pads to its `chunk_size` with a
 hard-coded `.to("cuda")`, so every length here is a multiple of the chunk size used (1024,
 or 2048 for stride 16, whose fused GEMM needs q and k lengths that are multiples of
 128 * stride); with no padding, its `chunk_size` only changes which rows meet quirk Q1.
@@ -44,7 +44,7 @@ one to one onto ours. So the comparison is elementwise with no reindexing:
   sides are skipped; a 0 on one side only counts as infinite). Target <= 1e-4.
 * masks: the share of equal entries. Target >= 99.9% outside the original's quirks.
 
-The original's selection quirks (Q1 is listed in ESTIMATE.md section 4; Q2-Q5 were found
+The original's selection quirks (Q1 is listed in docs/estimate.md section 4; Q2-Q5 were found
 while writing this script and are reproduced exactly by the model below):
 
 * Q1 (listed): causal with Lq == Lk, query blocks of its first query chunk
@@ -53,28 +53,28 @@ while writing this script and are reproduced exactly by the model below):
   row then has one forced block while the running sums assume two, which makes every
   candidate's test look one rank too far back (it is taken when the mass *before its
   predecessor* is below the target; the top candidate always). Key block 0 is still kept
-  by Q2. Net effect: one (sometimes two) key blocks more than ESTIMATE.md's rule.
+  by Q2. Net effect: one (sometimes two) key blocks more than docs/estimate.md's rule.
 * Q2: each row's unselected rank slots are filled with block index 0 before the flags are
   scattered, so key block 0 is kept whenever a row leaves any block out. In causal mode
   block 0 is forced anyway (except in Q1 rows); in non-causal mode this keeps key block 0
-  although ESTIMATE.md forces nothing there.
+  although docs/estimate.md forces nothing there.
 * Q3 (only with keep_sink=True): the original sets *query* block row 0 to all-true (every
   key block, also after the diagonal), not key block 0 of every row.
 * Q4 (only with keep_sink/keep_recent): the original adds those blocks after the
   selection, so their mass does not count towards the threshold; ours counts every
   forced block towards it, as in causal mode (`xattn_jax.reference.select_blocks`;
-  ESTIMATE.md section 4 does not say which is meant for keep_sink / keep_recent).
+  docs/estimate.md section 4 does not say which is meant for keep_sink / keep_recent).
 * Q5 (only with batch > 1): the flags are scattered with a slice over the batch and an
   index array that has a batch axis, so every batch element gets the union of all batch
   elements' selections (its attention function asserts batch 1, the estimate does not).
 
 To tell quirks from numerical disagreements, this script carries two small numpy (float64)
 selection models written from the descriptions above (not from the original's code): the
-ESTIMATE.md rule, and the original's rule with Q1-Q5. On the original's own block sums:
+docs/estimate.md rule, and the original's rule with Q1-Q5. On the original's own block sums:
 
 * "orig = model": share of the original's mask entries that the quirk model reproduces
   (100% means every quirk is understood exactly);
-* "quirk entries": entries where the quirk model and the ESTIMATE.md rule differ on the
+* "quirk entries": entries where the quirk model and the docs/estimate.md rule differ on the
   original's sums; agreement "excl. quirks" leaves these out. What still disagrees there
   is numerical (a block whose running sum lies within float32 rounding of the target) and
   is listed after the table with its values.
@@ -283,7 +283,7 @@ def make_inputs(case: Case):
 def select_model(sums, case: Case, *, original: bool):
     """Section-4 selection on block sums (float64), bool mask of the same shape.
 
-    original=False: ESTIMATE.md's rule. original=True: the original's behaviour with the
+    original=False: docs/estimate.md's rule. original=True: the original's behaviour with the
     quirks Q1-Q5 of the module docstring.
     """
     import numpy as np

@@ -5,7 +5,7 @@ checkout at run time. Two adjustments, both outside its files:
 - its module imports `block_sparse_attn` (the sparse attention, not the estimate); when
   that package is missing an empty stand-in module is registered so the import succeeds;
 - its estimate turns its Triton path off on any GPU whose name lacks "100" (the H200
-  included); we time the Triton path, as ../shared/anchors/H200.md did, by letting it
+  included); we time the Triton path, as the project's first H200 measurements did, by letting it
   read a device name that contains "100" during the call.
 It takes torch tensors with Hq == Hkv, so GQA keys are repeated per query head first, as
 its users do; that copy is part of its time.

@@ -1,4 +1,4 @@
-"""An independent float64 numpy model of ESTIMATE.md section 6 (block-sparse attention).
+"""An independent float64 numpy model of docs/estimate.md section 6 (block-sparse attention).
 
 Written from the spec, not from `xattn_jax.reference.attention`, and unlike it: the whole
 `[Lq, Lk]` matrix of allowed pairs is built at once (the mask repeated to tokens), key

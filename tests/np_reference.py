@@ -1,4 +1,4 @@
-"""An independent float64 numpy implementation of ESTIMATE.md sections 1-4.
+"""An independent float64 numpy implementation of docs/estimate.md sections 1-4.
 
 Written from the spec (not from `xattn_jax.reference`), deliberately in a different style:
 it pads both lengths to whole *blocks* as the spec's Notation describes (the JAX reference

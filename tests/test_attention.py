@@ -1,4 +1,4 @@
-"""block_sparse_attention and xattention (ESTIMATE.md section 6) against the float64 numpy
+"""block_sparse_attention and xattention (docs/estimate.md section 6) against the float64 numpy
 model `np_attention`, on random block masks; NaN policy, paged caches, argument checks,
 the implementation choice."""
 

@@ -1,4 +1,4 @@
-"""ESTIMATE.md sections 1-3: strided scores and block sums, every implementation against
+"""docs/estimate.md sections 1-3: strided scores and block sums, every implementation against
 the float64 numpy reference (and the Pallas kernels against the JAX reference)."""
 
 from __future__ import annotations

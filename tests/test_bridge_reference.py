@@ -1,4 +1,4 @@
-"""xattn_torch_bridge.reference against ESTIMATE.md and across frameworks.
+"""xattn_torch_bridge.reference against docs/estimate.md and across frameworks.
 
 Cross-framework: on fresh random inputs the pure-torch reference (float64), the JAX
 reference and the Pallas kernels (interpret mode off a GPU, Triton on it) give the same

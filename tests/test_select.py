@@ -1,4 +1,4 @@
-"""ESTIMATE.md section 4: threshold selection ("find blocks"), every implementation, on
+"""docs/estimate.md section 4: threshold selection ("find blocks"), every implementation, on
 random block sums and on real ones, checked by its rules and against the float64 loop."""
 
 from __future__ import annotations

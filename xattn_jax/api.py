@@ -17,7 +17,7 @@ from xattn_jax.impls import Implementation
 
 def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float = 1.0,
                    impl: str = "auto") -> jax.Array:
-    """ESTIMATE.md section 1: the strided antidiagonal scores.
+    """docs/estimate.md section 1: the strided antidiagonal scores.
 
     q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, float32 / bfloat16 / float16.
     Returns float32 `[B, Hq, ceil(Lq/stride), ceil(Lk/stride)]`. This materializes the whole
@@ -31,7 +31,7 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
 def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
                   keep_sink: bool = False, keep_recent: bool = False,
                   impl: str = "auto") -> jax.Array:
-    """ESTIMATE.md section 4 on given block sums: float32 `[B, Hq, qb, kb]` -> bool mask.
+    """docs/estimate.md section 4 on given block sums: float32 `[B, Hq, qb, kb]` -> bool mask.
 
     block_sums: floats (any float dtype, computed in float32), no more query than key
       blocks. threshold: a float in (0, 1] or one value per query head, `[Hq]`.
@@ -70,7 +70,7 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
                    keep_sink: bool = False, keep_recent: bool = False,
                    impl: str = "auto",
                    max_scratch_bytes: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """The XAttention estimate (ESTIMATE.md sections 1-4) as one jitted call.
+    """The XAttention estimate (docs/estimate.md sections 1-4) as one jitted call.
 
     Args:
       q: queries `[B, Hq, Lq, D]`, the last Lq positions of the key sequence.

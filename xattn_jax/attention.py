@@ -1,4 +1,4 @@
-"""Public block-sparse attention (ESTIMATE.md section 6) and XAttention end to end.
+"""Public block-sparse attention (docs/estimate.md section 6) and XAttention end to end.
 
 `block_sparse_attention` runs attention over the key blocks of a block mask;
 `xattention` is the estimate (`xattn_estimate`) and then that attention on its mask, in one
@@ -159,7 +159,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
                            block_size: int, causal: bool = True, scale: float | None = None,
                            return_lse: bool = False, k_len=None, block_table=None,
                            impl: str = "auto"):
-    """Softmax attention over the key blocks `mask` allows (ESTIMATE.md section 6), jitted.
+    """Softmax attention over the key blocks `mask` allows (docs/estimate.md section 6), jitted.
 
     Args:
       q: queries `[B, Hq, Lq, D]`: query row i sits at key position `n - Lq + i`, n being
@@ -228,7 +228,7 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
                block_size: int = 128, stride: int = 8, causal: bool = True,
                norm: float = 1.0, scale: float | None = None, return_mask: bool = False,
                impl: str = "auto"):
-    """XAttention (ESTIMATE.md sections 1-4, then 6): the estimate's block mask, then
+    """XAttention (docs/estimate.md sections 1-4, then 6): the estimate's block mask, then
     attention over it, as one jitted call.
 
     Args:

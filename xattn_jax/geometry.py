@@ -1,4 +1,4 @@
-"""The derived sizes of one estimate call (ESTIMATE.md, Notation).
+"""The derived sizes of one estimate call (docs/estimate.md, Notation).
 
 The argument checks that build a `Geometry` are in `xattn_jax.checks`.
 """

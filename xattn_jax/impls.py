@@ -1,12 +1,13 @@
 """The implementation table: every public function's `impl` argument is resolved here,
 and nowhere else.
 
-| impl | what runs | where it can run |
-|---|---|---|
-| "reference" | plain JAX (`xattn_jax.reference`) | any device |
-| "triton" | Pallas kernels, Triton backend (`xattn_jax.triton`) | NVIDIA GPUs; elsewhere Pallas interpret mode (slow: for tests) |
-| "mosaic" | Pallas kernels, Mosaic GPU backend (`xattn_jax.mosaic`) | NVIDIA Hopper GPUs (H100, H200), for the ops it has kernels for |
-| "auto" | the best of the above for the device the inputs live on | "triton" on a GPU, "reference" elsewhere |
+- "reference": plain JAX (`xattn_jax.reference`); any device.
+- "triton": Pallas kernels on the Triton backend (`xattn_jax.triton`); NVIDIA GPUs, and
+  elsewhere Pallas interpret mode (slow: for tests).
+- "mosaic": Pallas kernels on the Mosaic GPU backend (`xattn_jax.mosaic`); NVIDIA Hopper
+  GPUs (H100, H200), for the ops it has kernels for.
+- "auto": the best of these for the device the inputs live on: "triton" on a GPU,
+  "reference" elsewhere.
 
 The device is that of the first concrete `jax.Array` among the inputs; inside a trace
 (a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend.

@@ -1,4 +1,4 @@
-"""ESTIMATE.md section 5: chunked-prefill scores and selection over KV-cache blocks.
+"""docs/estimate.md section 5: chunked-prefill scores and selection over KV-cache blocks.
 
 A serving engine prefills a chunk of queries against the keys cached before it, held in
 a buffer padded to a capacity. `kv_block_scores` gives, per KV-cache block, the softmax

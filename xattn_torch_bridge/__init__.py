@@ -9,7 +9,7 @@ Public API:
 - `block_sparse_attention(q, k, v, mask, **kwargs)` and `xattention(q, k, v, **kwargs)`:
   `xattn_jax`'s attention on a block mask and XAttention end to end, on torch tensors
   (`xattn_torch_bridge.attention`).
-- `xattn_torch_bridge.reference`: an independent pure-torch reference of ESTIMATE.md
+- `xattn_torch_bridge.reference`: an independent pure-torch reference of docs/estimate.md
   sections 1-5.
 
 GPU memory. JAX's GPU client reserves 75% of the GPU's memory when it starts, which leaves

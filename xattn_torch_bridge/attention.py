@@ -30,7 +30,7 @@ def _views(copy: bool, **tensors: torch.Tensor):
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor, *, copy: bool = False, block_table=None,
                            k_len=None, **kwargs):
-    """Block-sparse attention (ESTIMATE.md section 6) of torch tensors.
+    """Block-sparse attention (docs/estimate.md section 6) of torch tensors.
 
     Takes the arguments of `xattn_jax.block_sparse_attention` (block_size, causal, scale,
     return_lse, k_len, block_table, impl) with the same defaults and meaning.

@@ -1,4 +1,4 @@
-"""XAttention's block selection for chunked prefill over a `PagedKVCache` (ESTIMATE.md
+"""XAttention's block selection for chunked prefill over a `PagedKVCache` (docs/estimate.md
 section 5), computed by `xattn_jax` on the cache's own pages through the zero-copy bridge.
 
 For one chunk of queries, `XAttentionPolicy.select_blocks` scores the sequence's cached

@@ -1,4 +1,4 @@
-"""Pure-torch reference of ESTIMATE.md sections 1-5, written from the spec alone.
+"""Pure-torch reference of docs/estimate.md sections 1-5, written from the spec alone.
 
 It shares no code with `xattn_jax.reference`, so agreement between the two is evidence.
 One function per section, composed by `xattn_estimate` (sections 1-4) and

@@ -1,4 +1,4 @@
-"""ESTIMATE.md section 6 in plain JAX: attention over the key blocks a block mask allows.
+"""docs/estimate.md section 6 in plain JAX: attention over the key blocks a block mask allows.
 
 Memory-lean: the queries are taken in chunks of rows and the keys in tiles of whole blocks,
 with an online softmax (running maximum, running sum and output accumulator per row), so

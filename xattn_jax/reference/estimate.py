@@ -1,6 +1,6 @@
 """Plain-JAX reference of the estimate: the source of truth for every kernel.
 
-One function per section of ESTIMATE.md, float32 throughout, written for reading rather
+One function per section of docs/estimate.md, float32 throughout, written for reading rather
 than speed. It pads only to a whole stride group (never to a whole block), so it shows
 directly that block padding changes nothing.
 """

@@ -1,5 +1,5 @@
 """What the fused block-sum kernels share: one program's query rows, where its keys come
-from, which key tiles it sees, and its masked score tiles (ESTIMATE.md section 1 plus the
+from, which key tiles it sees, and its masked score tiles (docs/estimate.md section 1 plus the
 causal and padding masks of section 2).
 
 A program owns `plan.block_q` reshaped query rows of one (batch, query head), on the

@@ -7,11 +7,12 @@ sees twice:
    softmax in base 2: A' = A * log2(e), the factor folded into the score scale);
 2. block sums: 2^(A' - m) / l per element, summed over `fine x fine` squares and stored.
 
-`fine` = gcd(block_rows, block_q, block_k) (`Plan.fine`) is the internal block: block sums at `block_size` are
-sums of (block_rows / fine)^2 fine blocks (ESTIMATE.md section 3, hierarchical sums), so
-the work per element is the same for every block size. Causal programs stop at their last
-visible key tile and write zeros beyond it. It computes every score twice, but needs no
-memory beyond its output: the fallback of `one_pass` when that one's scratch is too big.
+`fine` = gcd(block_rows, block_q, block_k) (`Plan.fine`) is the internal block: block
+sums at `block_size` are sums of (block_rows / fine)^2 fine blocks (docs/estimate.md
+section 3, hierarchical sums), so the work per element is the same for every block size.
+Causal programs stop at their last visible key tile and write zeros beyond it. It
+computes every score twice, but needs no memory beyond its output: the fallback of
+`one_pass` when that one's scratch is too big.
 """
 
 from __future__ import annotations
