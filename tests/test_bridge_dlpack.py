@@ -175,7 +175,7 @@ class LateWrite:
     fill, the hand-off and the dispatch (a host that waited for the GPU would take the
     whole sleep)."""
 
-    def __init__(self, value: float):
+    def __init__(self, value: float, side: bool = True):
         double = jax.jit(lambda x: 2 * x + 1)
         self.x = torch.zeros(1 << 20, device="cuda")
         jax.block_until_ready(double(to_jax(self.x)))  # compiled, devices set up
@@ -183,7 +183,7 @@ class LateWrite:
         self.expected = 2 * value + 1
         self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         host = time.perf_counter()
-        with torch.cuda.stream(torch.cuda.Stream()):
+        with torch.cuda.stream(torch.cuda.Stream() if side else None):
             self._start.record()
             torch.cuda._sleep(1 << 29)  # cycles: about 0.25 s at 2 GHz
             self._end.record()
@@ -257,6 +257,31 @@ class TestCuda:
             assert late.host_s < late.sleep_s() / 2, (late.host_s, late.sleep_s())
         else:
             assert not np.all(result == late.expected)
+
+    @pytest.mark.parametrize("side", [True, False], ids=["side-stream", "default-stream"])
+    @pytest.mark.parametrize("ordered", [True, False])
+    def test_interface_import_orders_torch_writes(self, ordered, side, monkeypatch):
+        """The same with the CUDA array interface import: its `stream` field (torch's
+        stream, or JAX's waiting one on the legacy default stream) orders the read.
+        Naming no stream instead reads the old zeros."""
+        monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")
+        if not ordered:
+            monkeypatch.setattr(dlpack, "producer_stream", lambda place: dlpack._NO_STREAM)
+        late = LateWrite(13.0 if ordered else 17.0, side=side)
+        result = np.asarray(late.y)
+        if ordered:
+            assert np.all(result == late.expected)
+            assert late.host_s < late.sleep_s() / 2, (late.host_s, late.sleep_s())
+        else:
+            assert not np.all(result == late.expected)
+
+    def test_interface_import_is_zero_copy(self, monkeypatch):
+        monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")
+        for dtype in DTYPES:
+            t = sample(dtype, device="cuda")
+            a = to_jax(t)
+            assert a.unsafe_buffer_pointer() == t.data_ptr() and same_values(t, a)
+            assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
 
     @pytest.mark.parametrize("ordered", [True, False])
     def test_jax_result_complete_before_torch_reads(self, ordered, monkeypatch):

@@ -63,17 +63,22 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
         raise ValueError(f"block_sums may not have more query blocks than key blocks, "
                          f"got shape {block_sums.shape}")
     t = threshold_per_head(threshold, block_sums.shape[1])
-    return _select(block_sums.astype("float32"), t, causal=bool(causal),
-                   keep_sink=bool(keep_sink), keep_recent=bool(keep_recent),
-                   backend=resolve_backend(impl))
+    return _select_jit(block_sums, t, causal=bool(causal), keep_sink=bool(keep_sink),
+                       keep_recent=bool(keep_recent), backend=resolve_backend(impl))
 
 
 def _select(sums, threshold, *, causal, keep_sink, keep_recent, backend):
+    sums = sums.astype("float32")
     rules = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
     if backend == "reference" or sums.shape[-1] > PALLAS_MAX_KEY_BLOCKS:
         return reference.select_blocks(sums, threshold, **rules)
     return pallas_select.select_blocks(sums, threshold, interpret=backend == "interpret",
                                        **rules)
+
+
+# the public select_blocks: one compiled call (the reference's eager ops cost ~0.5 ms)
+_select_jit = jax.jit(_select, static_argnames=("causal", "keep_sink", "keep_recent",
+                                                "backend"))
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "keep_sink",

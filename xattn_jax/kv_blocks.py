@@ -35,16 +35,19 @@ def _check_sizes(kv_block_size, estimate_block_size, stride) -> None:
                          f"kv_block_size ({kv_block_size})")
 
 
-def _key_len(k_len, capacity: int) -> jax.Array:
-    """k_len as int32 `[]`; a Python int is checked against the buffer's capacity."""
+def _key_len(k_len, capacity: int):
+    """k_len checked: a Python int (checked against the buffer's capacity) or a scalar
+    jax.Array, passed to the jitted function as is (it casts to int32 there: converting
+    on the host costs ~20 us per call)."""
     if k_len is None:
-        return jnp.int32(capacity)
+        return capacity
     if isinstance(k_len, (int, np.integer)) and not isinstance(k_len, bool):
         if not 1 <= k_len <= capacity:
             raise ValueError(f"k_len must lie in [1, {capacity}] (k's length), got {k_len}")
-    elif not isinstance(k_len, jax.Array) or k_len.ndim:
+        return int(k_len)
+    if not isinstance(k_len, jax.Array) or k_len.ndim:
         raise ValueError(f"k_len must be an int or a scalar jax.Array, got {k_len!r}")
-    return jnp.asarray(k_len, jnp.int32)
+    return k_len
 
 
 def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -88,6 +91,9 @@ def _paged_view(q, pages, block_table) -> jax.ShapeDtypeStruct:
                                              "per_query_block", "backend"))
 def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_kv_block: int,
                per_query_block: bool, backend: str):
+    key_len = jnp.asarray(key_len, jnp.int32)
+    if block_table is not None:
+        block_table = block_table.astype(jnp.int32)
     if backend == "reference":
         keys = k if block_table is None else gather_pages(k, block_table)
         sums = reference.block_sums(q, keys, geom, causal=False, norm=norm, key_len=key_len)
@@ -123,8 +129,7 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     _check_sizes(kv_block_size, estimate_block_size, stride)
     keys = k if block_table is None else _paged_view(q, k, block_table)
     geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
-    table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
-    return _kv_scores(q, k, _key_len(k_len, geom.k_len), table, geom=geom,
+    return _kv_scores(q, k, _key_len(k_len, geom.k_len), block_table, geom=geom,
                       norm=check_norm(norm),
                       per_kv_block=kv_block_size // estimate_block_size,
                       per_query_block=bool(per_query_block), backend=resolve_backend(impl))
