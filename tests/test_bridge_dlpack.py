@@ -119,6 +119,14 @@ def test_grad_tensor_is_refused():
         to_jax(torch.zeros(4, requires_grad=True))
 
 
+def test_import_method_is_checked_and_cpu_ignores_it(monkeypatch):
+    with pytest.raises(ValueError, match="method must be one of"):
+        dlpack.set_import("capsule")
+    monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")  # CUDA only
+    t = sample(torch.float32)
+    assert to_jax(t).unsafe_buffer_pointer() == t.data_ptr()
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
         to_jax(np.zeros(4, np.float32))

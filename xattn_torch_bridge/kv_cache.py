@@ -334,7 +334,8 @@ class PagedKVCache:
             i = int(ids[np.argmin(live)])
             state = "was freed" if 0 <= i < self._next_id else "is unknown"
             raise ValueError(f"{name}: block {i} {state}")
-        if len(np.unique(ids)) != len(ids):
+        ordered = np.sort(ids)
+        if (ordered[1:] == ordered[:-1]).any():
             raise ValueError(f"{name}: repeated block ids in {ids.tolist()}")
         return ids
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import numbers
 
@@ -217,9 +218,11 @@ class XAttentionPolicy:
         tensor, read to the host)."""
         if isinstance(units, torch.Tensor):
             units = units.cpu().numpy()
-        ids = np.asarray(block_ids)
         per_unit = self._unit(cache.block_size) // cache.block_size
-        return ids[np.repeat(units, per_unit)[:len(ids)]].tolist()
+        chosen = np.repeat(units, per_unit)[:len(block_ids)]
+        if isinstance(block_ids, np.ndarray):
+            return block_ids[chosen].tolist()
+        return list(itertools.compress(block_ids, chosen.tolist()))
 
     # --- helpers --------------------------------------------------------------------------
 
