@@ -136,17 +136,18 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
 
 
 def _valid_counts(num_valid, batch: int, blocks: int):
-    """Blocks in use per batch element, int32 `[B]` (the first num_valid are)."""
+    """Blocks in use (the first num_valid are), checked: a Python int, or ints of shape
+    [] or [B], broadcast to int32 `[B]` inside the jitted function (no host conversion)."""
     if num_valid is None:
-        return np.full((batch,), blocks, np.int32)
+        return blocks
     if isinstance(num_valid, (int, np.integer)) and not isinstance(num_valid, bool):
         if not 1 <= num_valid <= blocks:
             raise ValueError(f"num_valid must lie in [1, {blocks}], got {num_valid}")
-        return np.full((batch,), num_valid, np.int32)
+        return int(num_valid)
     if getattr(num_valid, "shape", None) not in ((), (batch,)):
         raise ValueError(f"num_valid must be an int, or ints of shape [] or [{batch}], got "
                          f"{num_valid!r}")
-    return jnp.broadcast_to(jnp.asarray(num_valid, jnp.int32), (batch,))
+    return num_valid
 
 
 def _check_groups(heads: int, per_kv_head: bool, kv_heads) -> int:
@@ -163,8 +164,9 @@ def _check_groups(heads: int, per_kv_head: bool, kv_heads) -> int:
                                              "per_kv_head"))
 def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first: bool,
                keep_last: bool, per_kv_head: bool):
-    """scores `[B, Hq, n]` (score) or `[B, Hq, R, n]` (vote); counts int32 `[B]`.
+    """scores `[B, Hq, n]` (score) or `[B, Hq, R, n]` (vote); counts ints `[]` or `[B]`.
     Returns bool `[B, G, n]` per KV head, else `[B, n]`."""
+    counts = jnp.broadcast_to(jnp.asarray(counts, jnp.int32), scores.shape[:1])
     scores = scores.astype(jnp.float32)
     groups = scores.reshape(scores.shape[0], groups, -1, *scores.shape[2:])
     j = jnp.arange(scores.shape[-1])

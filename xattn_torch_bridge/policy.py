@@ -52,6 +52,7 @@ import jax
 import numpy as np
 import torch
 import xattn_jax
+from xattn_jax.geometry import next_pow2
 from xattn_jax.kv_blocks import RULES
 
 from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
@@ -114,10 +115,6 @@ _mask = jax.jit(_unit_mask, static_argnames="choice")
 def _selection(q, pages, table, scoring: Scoring, choice: Choice):
     """Scores and selection in one computation: bool `[units]`."""
     return _unit_mask(_unit_scores(q, pages, table, scoring), table, choice)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class XAttentionPolicy:
@@ -259,7 +256,7 @@ class XAttentionPolicy:
         per_unit = unit // cache.block_size
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
-        units = _next_pow2(max(-(-n // per_unit), -(-q.shape[2] // unit)))
+        units = next_pow2(max(-(-n // per_unit), -(-q.shape[2] // unit)))
         return q, cache.block_table(block_ids, units * per_unit)
 
     @staticmethod
