@@ -87,8 +87,9 @@ def _row(rows: list[dict], case: str, impl: str, ms: float, floor: float = 0.0,
     if target is not None:
         r["target_ms"] = round(target, 4)
     rows.append(r)
-    met = "" if target is None else f" (target {target:.3f}: {'met' if ms <= target else 'NOT met'})"
-    log(f"{case} [{impl}]: {ms:.3f} ms{met}")
+    verdict = "" if target is None else \
+        f" (target {target:.3f}: {'met' if ms <= target else 'NOT met'})"
+    log(f"{case} [{impl}]: {ms:.3f} ms{verdict}")
     return r
 
 

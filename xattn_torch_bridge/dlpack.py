@@ -81,6 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.utils.dlpack
+import torch.utils.weak
 from jax._src.lib import _jax
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.bool)
@@ -116,6 +117,7 @@ _torch_indices: dict[jax.sharding.Sharding, int | None] = {}
 _UNKNOWN = object()
 _thread = threading.local()
 _import = os.environ.get("XATTN_BRIDGE_IMPORT", "dlpack")
+_persistent = torch.utils.weak.WeakIdKeyDictionary()  # tensor -> (key, view)
 
 
 def set_import(method: str) -> None:
@@ -265,18 +267,42 @@ def view_by_interface(tensor: torch.Tensor, place: Place, stream: int) -> jax.Ar
         cai=interface, gpu_backend=place.jax_device.client, device_id=place.index)
 
 
-def views_for_one_computation(place: Place, *tensors: torch.Tensor) -> tuple[jax.Array, ...]:
-    """JAX arrays over `tensors` (checked by `place_of`, all on `place`) for one JAX
-    computation that reads them all: one stream-order step, the first view ordered and
-    the others not. The computation waits for the first view's definition event, recorded
-    after torch's work on every tensor, before it starts."""
+def _unordered_view(tensor: torch.Tensor, place: Place) -> jax.Array:
+    if place.index is not None and _import == "cuda_array_interface":
+        return view_by_interface(tensor, place, _NO_STREAM)
+    return view_in_jax(tensor, place, ordered=False)
+
+
+def views_for_one_computation(place: Place, *tensors: torch.Tensor,
+                              persistent: tuple[torch.Tensor, ...] = ()
+                              ) -> tuple[jax.Array, ...]:
+    """JAX arrays over `tensors`, then over `persistent` (all checked by `place_of`, all on
+    `place`) for one JAX computation that reads them all: one stream-order step, the first
+    view ordered and the others not. The computation waits for the first view's
+    definition event, recorded after torch's work on every tensor, before it starts.
+
+    persistent: tensors passed again and again (a cache's pages, a reused buffer): their
+    unordered views are made once and reused while the tensor object lives with the same
+    memory, shape and dtype (`persistent_view`), which is safe for the same reason."""
     first, *others = tensors
     if place.index is not None and _import == "cuda_array_interface":
-        return (view_by_interface(first, place, producer_stream(place)),
-                *(view_by_interface(tensor, place, _NO_STREAM) for tensor in others))
-    jax_waits_for_torch(place)
-    return (view_in_jax(first, place),
-            *(view_in_jax(tensor, place, ordered=False) for tensor in others))
+        head = view_by_interface(first, place, producer_stream(place))
+    else:
+        jax_waits_for_torch(place)
+        head = view_in_jax(first, place)
+    return (head, *(_unordered_view(tensor, place) for tensor in others),
+            *(persistent_view(tensor, place) for tensor in persistent))
+
+
+def persistent_view(tensor: torch.Tensor, place: Place) -> jax.Array:
+    """An unordered view of `tensor`, made once per tensor object and reused while its
+    data pointer, shape and dtype stay the same. The view holds the tensor's memory (not
+    the Python object), and the entry goes when the tensor object does."""
+    key = (tensor.data_ptr(), tensor.shape, tensor.dtype, _import)
+    entry = _persistent.get(tensor)
+    if entry is None or entry[0] != key:
+        entry = _persistent[tensor] = (key, _unordered_view(tensor, place))
+    return entry[1]
 
 
 def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:

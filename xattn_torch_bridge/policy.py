@@ -180,7 +180,7 @@ class XAttentionPolicy:
         q, table = self._prepare(q, cache, block_ids)
         scoring, choice = self._settings(cache)
         place = place_of(q, "q", False)[1]
-        units = _selection(*views_for_one_computation(place, q, cache.keys, table),
+        units = _selection(*views_for_one_computation(place, q, persistent=(cache.keys, table)),
                            scoring=scoring, choice=choice)
         return self.chosen_blocks(jax.device_get(units), cache, block_ids)  # the one read
 
