@@ -127,6 +127,22 @@ def test_import_method_is_checked_and_cpu_ignores_it(monkeypatch):
     assert to_jax(t).unsafe_buffer_pointer() == t.data_ptr()
 
 
+def test_persistent_views_are_reused_while_the_tensor_is_the_same():
+    t = sample(torch.float32)
+    place = dlpack.place_of(t, "t", False)[1]
+    first = dlpack.persistent_view(t, place)
+    assert dlpack.persistent_view(t, place) is first
+    t.fill_(7.0)  # new values, same memory: the view sees them
+    assert np.all(np.asarray(jax.jit(lambda x: x + 0)(first)) == 7.0)
+    t.set_(sample(torch.float32, shape=(2, 64)))  # other memory and shape: a new view
+    second = dlpack.persistent_view(t, place)
+    assert second is not first and second.shape == (2, 64)
+    assert second.unsafe_buffer_pointer() == t.data_ptr()
+    count = len(dlpack._persistent)
+    del t  # the views hold its memory, not the tensor: the entry goes
+    assert len(dlpack._persistent) == count - 1
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
         to_jax(np.zeros(4, np.float32))

@@ -296,12 +296,14 @@ def views_for_one_computation(place: Place, *tensors: torch.Tensor,
 
 def persistent_view(tensor: torch.Tensor, place: Place) -> jax.Array:
     """An unordered view of `tensor`, made once per tensor object and reused while its
-    data pointer, shape and dtype stay the same. The view holds the tensor's memory (not
-    the Python object), and the entry goes when the tensor object does."""
+    data pointer, shape and dtype stay the same. The view is made of an alias
+    (`detach()`): torch keeps alive the Python object of a tensor exported to DLPack, so
+    a view of `tensor` itself would keep `tensor`, and its entry, forever. The view holds
+    the memory only, and the entry goes when the tensor object does."""
     key = (tensor.data_ptr(), tensor.shape, tensor.dtype, _import)
     entry = _persistent.get(tensor)
     if entry is None or entry[0] != key:
-        entry = _persistent[tensor] = (key, _unordered_view(tensor, place))
+        entry = _persistent[tensor] = (key, _unordered_view(tensor.detach(), place))
     return entry[1]
 
 
