@@ -6,6 +6,12 @@ Public API:
   can be handed over in this process.
 - `xattn_estimate(q, k, **kwargs)`: `xattn_jax.xattn_estimate` on torch tensors
   (`xattn_torch_bridge.estimate`).
+- `PagedKVCache`: a paged KV cache of one layer (any page size, CPU offload, staging and
+  a persistent device block table); `XAttentionPolicy`: the chunked-prefill selection of
+  its pages in one jitted computation (`xattn_torch_bridge.policy`).
+- torch.compile: the estimate and the policy's scoring and selection are torch custom
+  ops (`torch.ops.xattn.estimate`, `.policy_scores`, `.policy_selection`), called by the
+  public functions inside a compiled region, so `fullgraph=True` compiles them.
 - `xattn_torch_bridge.reference`: an independent pure-torch reference of ESTIMATE.md
   sections 1-5.
 

@@ -267,7 +267,9 @@ def view_by_interface(tensor: torch.Tensor, place: Place, stream: int) -> jax.Ar
         cai=interface, gpu_backend=place.jax_device.client, device_id=place.index)
 
 
-def _unordered_view(tensor: torch.Tensor, place: Place) -> jax.Array:
+def unordered_view(tensor: torch.Tensor, place: Place) -> jax.Array:
+    """A view with no definition event, by the import set with `set_import` (see
+    `view_in_jax` for when that is safe)."""
     if place.index is not None and _import == "cuda_array_interface":
         return view_by_interface(tensor, place, _NO_STREAM)
     return view_in_jax(tensor, place, ordered=False)
@@ -290,7 +292,7 @@ def views_for_one_computation(place: Place, *tensors: torch.Tensor,
     else:
         jax_waits_for_torch(place)
         head = view_in_jax(first, place)
-    return (head, *(_unordered_view(tensor, place) for tensor in others),
+    return (head, *(unordered_view(tensor, place) for tensor in others),
             *(persistent_view(tensor, place) for tensor in persistent))
 
 
@@ -303,7 +305,7 @@ def persistent_view(tensor: torch.Tensor, place: Place) -> jax.Array:
     key = (tensor.data_ptr(), tensor.shape, tensor.dtype, _import)
     entry = _persistent.get(tensor)
     if entry is None or entry[0] != key:
-        entry = _persistent[tensor] = (key, _unordered_view(tensor.detach(), place))
+        entry = _persistent[tensor] = (key, unordered_view(tensor.detach(), place))
     return entry[1]
 
 

@@ -2,7 +2,8 @@
 
 q and k go to JAX without a copy, with one stream-order step for both
 (`dlpack.views_for_one_computation`: q's view carries it, and the estimate reads both in
-one computation); the estimate runs where they live; its two results come back as torch
+one computation; k's view is reused while the same k tensor is passed again); the
+estimate runs where they live; its two results come back as torch
 tensors without a copy, ordered before later work on torch's current stream.
 
 Host time per call. The keyword arguments but the threshold are fixed per compiled
@@ -30,7 +31,8 @@ import torch
 import xattn_jax
 from xattn_jax.geometry import threshold_per_head
 
-from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
+from xattn_torch_bridge.dlpack import (persistent_view, place_of, to_torch, unordered_view,
+                                       views_for_one_computation)
 
 DEFAULT_THRESHOLD = 0.9  # xattn_jax.xattn_estimate's default
 
@@ -60,6 +62,13 @@ def _compiled(options: tuple) -> jax.stages.Wrapped:
 
 def _estimate_with(q, k, threshold, *, options: tuple):
     return xattn_jax.xattn_estimate(q, k, threshold=threshold, **dict(options))
+
+
+def k_view(k: torch.Tensor, place, copy: bool) -> jax.Array:
+    """k's unordered view: reused while the same tensor object is passed again (a cache's
+    keys: `dlpack.persistent_view`), fresh for a copy. The estimate's computation is
+    ordered by q's view, so it sees every write queued on torch's stream before the call."""
+    return unordered_view(k, place) if copy else persistent_view(k, place)
 
 
 def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
@@ -98,8 +107,8 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
         threshold = threshold_per_head(threshold, q.shape[1])
     if place.index is None:
         kwargs["impl"] = _impl_for_cpu(kwargs.get("impl", "auto"))
-    sums, mask = _compiled(tuple(sorted(kwargs.items())))(
-        *views_for_one_computation(place, q, k), threshold)
+    views = views_for_one_computation(place, q) + (k_view(k, place, copy),)
+    sums, mask = _compiled(tuple(sorted(kwargs.items())))(*views, threshold)
     return to_torch(sums), to_torch(mask)
 
 

@@ -53,6 +53,7 @@ class _TableBuffer:
 
     def __init__(self, width: int, device: torch.device):
         cuda = device.type == "cuda"
+        self.stream_device = device
         self.host = torch.zeros(width + 1, dtype=torch.int32, pin_memory=cuda)
         self.host_np = self.host.numpy()
         self.device = torch.zeros(width + 1, dtype=torch.int32, device=device) if cuda \
@@ -70,7 +71,7 @@ class _TableBuffer:
         self.host_np[-1] = tokens
         if self.copied is not None:
             self.device.copy_(self.host, non_blocking=True)
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(self.stream_device))
         return self.device
 
 
