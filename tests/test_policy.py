@@ -129,6 +129,7 @@ def test_small_pages_select_whole_units(rand, page):
         if unit == BS:
             tokens = {j // (BS // page) for j in got}
             assert tokens == set(policy.select_blocks(q, big, big_ids))
+        assert policy.select_blocks(q, small, np.array(ids)) == got  # ids as numpy
 
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
@@ -278,6 +279,20 @@ def test_cuda_matches_cpu_with_offloaded_blocks(rand, dtype):
     check(qd, *caches["cpu"], policy, rand, eps)
     cache.load(ids[1:6:2])
     assert policy.select_blocks(qd.cuda(), cache, ids) == got
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("page", [16, 64], ids=lambda p: f"page{p}")
+def test_cuda_small_pages_with_offloaded_pages(rand, page):
+    """16-token pages on CUDA (units of 4 pages, two of them offloaded and staged): the
+    reference's pages."""
+    k, v, q = context(rand, 6 * BS + 9)
+    cache = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.bfloat16,
+                         device="cuda", num_cpu_blocks=2, staging_slots=2)
+    ids = cache.append([], k.bfloat16().cuda(), v.bfloat16().cuda())
+    cache.offload(ids[5:7])
+    check(q.bfloat16().cuda(), cache, ids, XAttentionPolicy(0.6, STRIDE, GPU_EBS), rand, 1e-3)
 
 
 @pytest.mark.gpu

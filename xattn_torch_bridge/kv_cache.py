@@ -47,22 +47,22 @@ def _positive(name: str, value, minimum: int = 1) -> int:
 
 
 class _TableBuffer:
-    """A persistent block table of one width: int32 `[width + 1]` on the device, written
-    through a pinned host twin on CUDA (one asynchronous copy per call, no allocation);
-    on the CPU the host array is the table itself."""
+    """A persistent block table of one width: `table`, int32 `[width + 1]` on the device,
+    written through its pinned host twin `host` on CUDA (one asynchronous copy per call,
+    no allocation); on the CPU the host tensor is the table itself."""
 
     def __init__(self, width: int, device: torch.device):
         cuda = device.type == "cuda"
-        self.stream_device = device
+        self.device = device
         self.host = torch.zeros(width + 1, dtype=torch.int32, pin_memory=cuda)
         self.host_np = self.host.numpy()
-        self.device = torch.zeros(width + 1, dtype=torch.int32, device=device) if cuda \
+        self.table = torch.zeros(width + 1, dtype=torch.int32, device=device) if cuda \
             else self.host
         self.copied = torch.cuda.Event() if cuda else None
 
     def write(self, pages: np.ndarray, tokens: int) -> torch.Tensor:
         """Fills the table (pages, padded with the first page, then `tokens`) and returns
-        the device tensor, its copy queued on torch's current stream."""
+        it, its copy queued on torch's current stream."""
         if self.copied is not None:
             self.copied.synchronize()  # the last call's copy has read the host twin
         n = len(pages)
@@ -70,9 +70,9 @@ class _TableBuffer:
         self.host_np[n:-1] = pages[0]
         self.host_np[-1] = tokens
         if self.copied is not None:
-            self.device.copy_(self.host, non_blocking=True)
-            self.copied.record(torch.cuda.current_stream(self.stream_device))
-        return self.device
+            self.table.copy_(self.host, non_blocking=True)
+            self.copied.record(torch.cuda.current_stream(self.device))
+        return self.table
 
 
 class PagedKVCache:
@@ -295,10 +295,10 @@ class PagedKVCache:
         table = self._tables.get(width)
         if table is None:
             table = self._tables[width] = _TableBuffer(width, self.device)
-        device_table = table.write(pages, tokens)
+        written = table.write(pages, tokens)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-        return device_table
+        return written
 
     # --- helpers ------------------------------------------------------------------------
 
