@@ -177,11 +177,10 @@ class XAttentionPolicy:
         finished (the selection is read to the host), so the staging pages and the block
         table are free again.
         """
-        q, table = self._prepare(q, cache, block_ids)
+        q, place, table = self._prepare(q, cache, block_ids)
         scoring, choice = self._settings(cache)
-        place = place_of(q, "q", False)[1]
-        units = _selection(*views_for_one_computation(place, q, persistent=(cache.keys, table)),
-                           scoring=scoring, choice=choice)
+        views = views_for_one_computation(place, q, persistent=(cache.keys, table))
+        units = _selection(*views, scoring=scoring, choice=choice)
         return self.chosen_blocks(jax.device_get(units), cache, block_ids)  # the one read
 
     # --- the steps, for torch.compile -----------------------------------------------------
@@ -190,7 +189,7 @@ class XAttentionPolicy:
         """Host work of a selection (checks, staging, the table): the cache's block table
         for the chunk q (`PagedKVCache.block_table`, int32 `[width + 1]`), its width
         covering the context and the chunk, a power of two of whole units."""
-        return self._prepare(q, cache, block_ids)[1]
+        return self._prepare(q, cache, block_ids)[2]
 
     def scores(self, q: torch.Tensor, cache: PagedKVCache, table: torch.Tensor) -> torch.Tensor:
         """Each unit's share of the chunk's attention: float32 `[1, Hq, units]` (rule
@@ -244,11 +243,12 @@ class XAttentionPolicy:
                        self.rule))
         return settings
 
-    def _prepare(self, q, cache, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """q as `[1, Hq, Lq, D]` (checked) and the block table (checks and staging)."""
+    def _prepare(self, q, cache, block_ids):
+        """q as `[1, Hq, Lq, D]` (checked), its Place, and the block table (checks and
+        staging)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        q = place_of(self._check_q(q, cache), "q", False)[0]
+        q, place = place_of(self._check_q(q, cache), "q", False)
         unit = self._unit(cache.block_size)
         if unit % cache.block_size:
             raise ValueError(f"selection_unit ({unit}) must be a multiple of the cache's "
@@ -257,7 +257,7 @@ class XAttentionPolicy:
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
         units = next_pow2(max(-(-n // per_unit), -(-q.shape[2] // unit)))
-        return q, cache.block_table(block_ids, units * per_unit)
+        return q, place, cache.block_table(block_ids, units * per_unit)
 
     @staticmethod
     def _check_q(q, cache: PagedKVCache) -> torch.Tensor:
