@@ -32,6 +32,10 @@ Rows:
 - `{plain,bridged}-estimate-causal-32k`: device time per call (throughput), target
   within 3%;
 - `to-jax-{dlpack,cuda_array_interface}`: host time of `to_jax` of q (CUDA only).
+
+`--smoke` checks that every row runs; its figures say nothing of the targets: on the CPU
+the reference computes, the PCIe rows copy host memory, and the bridged estimate's host
+rows include the computation (`to_torch` waits for JAX's result on the CPU).
 """
 
 from __future__ import annotations
