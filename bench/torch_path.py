@@ -19,9 +19,10 @@ Rows:
   staged for each call; `pcie-ctx{N}-staged2`: those 2 pages' keys copied from pinned
   CPU memory to the device alone (host time with the wait); target: the nothing-staged
   target + that PCIe time;
-- `select-blocks-ctx64k-page{16,4096}`: 64K context in pages of 16 or 4096 tokens, units
-  of 4096 tokens either way; `chunk4096-ctx64k-paged{16,4096}`: the kernel reading those
-  pages through the table (device time);
+- `select-blocks-ctx64k-page{16,4096}[-numpy-ids]`: 64K context in pages of 16 or 4096
+  tokens, units of 4096 tokens either way, the ids as a list or a numpy array;
+  `chunk4096-ctx64k-paged{16,4096}`: the kernel reading those pages through the table
+  (device time);
 - `eager-{xattn_estimate,kv_block_scores,select_kv_blocks,select_blocks}`: host time of
   one public call (impl "eager") and of a jitted function doing the same (impl
   "pre-jitted"); target: pre-jitted + 0.04 ms;
@@ -50,6 +51,7 @@ import time
 import xattn_torch_bridge as bridge  # first: configures JAX's GPU memory
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xattn_jax  # noqa: E402
 from xattn_torch_bridge import dlpack  # noqa: E402
@@ -189,8 +191,10 @@ def small_page_rows(run: Run) -> list[dict]:
         cache, ids, q = _paged(context, page, sz, run.device)
         _row(rows, f"chunk{sz.chunk}-ctx{name}-paged{page}", "xattn-jax",
              _paged_kernel_ms(cache, ids, q, sz), floor_of(context, sz))
-        _row(rows, f"select-blocks-ctx{name}-page{page}", "xattn-jax",
-             _host_ms(lambda: policy.select_blocks(q, cache, ids), run), floor_of(context, sz))
+        for form, given in (("", ids), ("-numpy-ids", np.array(ids))):
+            _row(rows, f"select-blocks-ctx{name}-page{page}{form}", "xattn-jax",
+                 _host_ms(lambda: policy.select_blocks(q, cache, given), run),
+                 floor_of(context, sz))
     return rows
 
 

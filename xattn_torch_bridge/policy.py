@@ -163,7 +163,7 @@ class XAttentionPolicy:
 
     # --- the whole call -------------------------------------------------------------------
 
-    def select_blocks(self, q: torch.Tensor, cache: PagedKVCache, block_ids) -> list[int]:
+    def select_blocks(self, q: torch.Tensor, cache: PagedKVCache, block_ids):
         """The ids of the pages in `block_ids` that the chunk `q` attends to.
 
         q: the chunk's queries `[Hq, Lq, D]` or `[1, Hq, Lq, D]`, all after the cached
@@ -172,7 +172,9 @@ class XAttentionPolicy:
         block_ids: the sequence's cached pages in order (the chunk excluded), all full
           but the last, which holds at least one token: a list of ids or a 1-D integer
           numpy array.
-        Returns the selected ids in context order: every page of each selected unit.
+        Returns the selected ids in context order, every page of each selected unit: a
+        list, or a numpy array for numpy `block_ids` (no Python int per page: the faster
+        form for thousands of small pages).
         Blocks must not change during the call; it returns after the estimate has
         finished (the selection is read to the host), so the staging pages and the block
         table are free again.
@@ -209,15 +211,15 @@ class XAttentionPolicy:
                   bool(self.keep_first), bool(self.keep_last),
                   cache.kv_heads if self.per_kv_head else 0, self.rule)
 
-    def chosen_blocks(self, units, cache: PagedKVCache, block_ids) -> list[int]:
+    def chosen_blocks(self, units, cache: PagedKVCache, block_ids):
         """The ids of `block_ids` in the chosen units (bool `[units]`: numpy, or a torch
-        tensor, read to the host)."""
+        tensor, read to the host): a list, or a numpy array for a numpy `block_ids`."""
         if isinstance(units, torch.Tensor):
             units = units.cpu().numpy()
         per_unit = self._unit(cache.block_size) // cache.block_size
         chosen = np.repeat(units, per_unit)[:len(block_ids)]
         if isinstance(block_ids, np.ndarray):
-            return block_ids[chosen].tolist()
+            return block_ids[chosen]
         return list(itertools.compress(block_ids, chosen.tolist()))
 
     # --- helpers --------------------------------------------------------------------------
