@@ -8,12 +8,11 @@ Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV 
 - `chunk4096-ctx{N}`: `kv_block_scores` + `select_kv_blocks` in one jitted call on a
   contiguous cache, device time per call (`bench.common.time_ms`), against the floor
   (strided-product FLOPs at 753 TFLOP/s);
-- `select-blocks-ctx{N}`: `XAttentionPolicy.select_blocks` end to end on a torch
-  `PagedKVCache` with two blocks offloaded to CPU memory and staged back (host time to
-  the returned ids);
 - with `--compare-original PATH`: the original kernels on the same inputs, K repeated to
   Hq as the seed's engine does, block sums at 4096 directly (`impl` "original", the
   seed's baseline) and at 1024 summed up to 4096 (case suffix `-hier1024`).
+`XAttentionPolicy.select_blocks` on a torch cache is timed against these kernels by
+`bench.torch_path`.
 `--small` shrinks every size (contexts by 8) for a CPU smoke run; there the default
 implementation is the reference and the floors mean nothing.
 """
@@ -23,14 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
-import time
 
-import xattn_torch_bridge as bridge  # first: configures JAX's GPU memory
+import xattn_torch_bridge  # noqa: F401  first: configures JAX's GPU memory
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
 
 from bench.common import (floor_ms, jax_extra_mib, log, markdown_table, record,  # noqa: E402
                           strided_flops, time_ms, write_json)
@@ -53,24 +49,24 @@ FULL = Sizes()
 SMALL = Sizes(q_heads=4, kv_heads=2, head_dim=64, chunk=512, kv_block=512, estimate_block=128)
 
 
-def _tokens(text: str) -> int:
+def tokens(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def _inputs(context: int, sz: Sizes) -> tuple[jax.Array, jax.Array]:
+def inputs(context: int, sz: Sizes) -> tuple[jax.Array, jax.Array]:
     keys = jax.random.split(jax.random.PRNGKey(context), 2)
     q = jax.random.normal(keys[0], (1, sz.q_heads, sz.chunk, sz.head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (1, sz.kv_heads, context, sz.head_dim), jnp.bfloat16)
     return q, k
 
 
-def _floor(context: int, sz: Sizes) -> float:
+def floor_of(context: int, sz: Sizes) -> float:
     return floor_ms(strided_flops(sz.q_heads, sz.chunk, context, sz.stride, sz.head_dim,
                                   causal=False))
 
 
-def _estimate_rows(name: str, context: int, sz: Sizes) -> list[dict]:
-    q, k = _inputs(context, sz)
+def kernel_rows(name: str, context: int, sz: Sizes) -> list[dict]:
+    q, k = inputs(context, sz)
 
     @jax.jit
     def fn(q, k, k_len):
@@ -80,7 +76,7 @@ def _estimate_rows(name: str, context: int, sz: Sizes) -> list[dict]:
         return scores, select_kv_blocks(scores, threshold=sz.threshold)
 
     args = (q, k, jnp.int32(context))
-    floor = _floor(context, sz)
+    floor = floor_of(context, sz)
     ms = time_ms(fn, [args], warmup=3, reps=30)
     log(f"chunk{sz.chunk}-ctx{name}: {ms:.3f} ms, {ms / floor:.2f} x floor")
     return [record(f"chunk{sz.chunk}-ctx{name}", "xattn-jax", ms, floor,
@@ -88,7 +84,7 @@ def _estimate_rows(name: str, context: int, sz: Sizes) -> list[dict]:
 
 
 def _original_rows(name: str, context: int, sz: Sizes, original) -> list[dict]:
-    q, k = _inputs(context, sz)
+    q, k = inputs(context, sz)
     case, rows = f"chunk{sz.chunk}-ctx{name}", []
     for block, label in ((sz.kv_block, case),
                          (sz.estimate_block, f"{case}-hier{sz.estimate_block}")):
@@ -99,36 +95,9 @@ def _original_rows(name: str, context: int, sz: Sizes, original) -> list[dict]:
         except original.Unsupported as why:
             log(f"{label}: original skipped ({why})")
             continue
-        rows.append(record(label, "original", ms, _floor(context, sz), mib))
+        rows.append(record(label, "original", ms, floor_of(context, sz), mib))
         log(f"{label}: original {ms:.3f} ms")
     return rows
-
-
-def _policy_rows(name: str, context: int, sz: Sizes) -> list[dict]:
-    device = "cuda" if bridge.cuda_available() else "cpu"
-    blocks = -(-context // sz.kv_block)
-    cache = bridge.PagedKVCache(blocks, sz.kv_block, sz.kv_heads, sz.head_dim,
-                                dtype=torch.bfloat16, device=device, num_cpu_blocks=2,
-                                staging_slots=2)
-    gen = torch.Generator(device).manual_seed(context)
-    kv = torch.randn(context, sz.kv_heads, sz.head_dim, generator=gen, device=device,
-                     dtype=torch.bfloat16)
-    ids = cache.append([], kv, kv)
-    cache.offload(ids[1:3])
-    q = torch.randn(sz.q_heads, sz.chunk, sz.head_dim, generator=gen, device=device,
-                    dtype=torch.bfloat16)
-    policy = bridge.XAttentionPolicy(sz.threshold, sz.stride, sz.estimate_block)
-    for _ in range(3):
-        policy.select_blocks(q, cache, ids)
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        policy.select_blocks(q, cache, ids)  # returns host ids: the estimate has finished
-        times.append(1e3 * (time.perf_counter() - start))
-    ms = statistics.median(times)
-    floor = _floor(context, sz)
-    log(f"select-blocks-ctx{name}: {ms:.3f} ms with 2 blocks staged from CPU")
-    return [record(f"select-blocks-ctx{name}", "xattn-jax", ms, floor, float("nan"))]
 
 
 def main(argv=None) -> None:
@@ -146,11 +115,11 @@ def main(argv=None) -> None:
         original_module.load(args.compare_original)
         original = original_module
     records = []
-    contexts = [_tokens(text) // (8 if args.small else 1) for text in args.contexts.split(",")]
+    contexts = [tokens(text) // (8 if args.small else 1) for text in args.contexts.split(",")]
     # Ours first, the original after: a chunk call lasts half a millisecond, and ours
     # measured 10-15% slower right after the original's kernels had run in the process
     # (bench/results/chunked_h200.md).
-    runs = [(_estimate_rows, "xattn-jax"), (_policy_rows, "xattn-jax, select_blocks")]
+    runs = [(kernel_rows, "xattn-jax")]
     if original is not None:
         runs.append((functools.partial(_original_rows, original=original), "original"))
     for run, what in runs:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -12,8 +10,10 @@ from xattn_torch_bridge import PagedKVCache
 
 def snapshot(cache: PagedKVCache):
     """Everything a refused call must leave unchanged: bookkeeping and all four pools."""
-    book = copy.deepcopy((cache._where, cache._tokens, cache._free, cache._free_cpu,
-                          cache._next_id))
+    n = cache._next_id
+    book = (tuple(a[:n].tolist() for a in (cache._alive, cache._resident, cache._slot,
+                                           cache._tokens)),
+            list(cache._free), list(cache._free_cpu), n)
     pools = [x.clone() for x in (cache.keys, cache.values, cache.cpu_keys, cache.cpu_values)]
     return book, pools
 

@@ -120,6 +120,30 @@ def test_grad_tensor_is_refused():
         to_jax(torch.zeros(4, requires_grad=True))
 
 
+def test_import_method_is_checked_and_cpu_ignores_it(monkeypatch):
+    with pytest.raises(ValueError, match="method must be one of"):
+        dlpack.set_import("capsule")
+    monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")  # CUDA only
+    t = sample(torch.float32)
+    assert to_jax(t).unsafe_buffer_pointer() == t.data_ptr()
+
+
+def test_persistent_views_are_reused_while_the_tensor_is_the_same():
+    t = sample(torch.float32)
+    place = dlpack.place_of(t, "t", False)[1]
+    first = dlpack.persistent_view(t, place)
+    assert dlpack.persistent_view(t, place) is first
+    t.fill_(7.0)  # new values, same memory: the view sees them
+    assert np.all(np.asarray(jax.jit(lambda x: x + 0)(first)) == 7.0)
+    t.set_(sample(torch.float32, shape=(2, 64)))  # other memory and shape: a new view
+    second = dlpack.persistent_view(t, place)
+    assert second is not first and second.shape == (2, 64)
+    assert second.unsafe_buffer_pointer() == t.data_ptr()
+    count = len(dlpack._persistent)
+    del t  # the views hold its memory, not the tensor: the entry goes
+    assert len(dlpack._persistent) == count - 1
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
         to_jax(np.zeros(4, np.float32))
@@ -176,7 +200,7 @@ class LateWrite:
     fill, the hand-off and the dispatch (a host that waited for the GPU would take the
     whole sleep)."""
 
-    def __init__(self, value: float):
+    def __init__(self, value: float, side: bool = True):
         double = jax.jit(lambda x: 2 * x + 1)
         self.x = torch.zeros(1 << 20, device="cuda")
         jax.block_until_ready(double(to_jax(self.x)))  # compiled, devices set up
@@ -184,7 +208,7 @@ class LateWrite:
         self.expected = 2 * value + 1
         self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         host = time.perf_counter()
-        with torch.cuda.stream(torch.cuda.Stream()):
+        with torch.cuda.stream(torch.cuda.Stream() if side else None):
             self._start.record()
             torch.cuda._sleep(1 << 29)  # cycles: about 0.25 s at 2 GHz
             self._end.record()
@@ -258,6 +282,31 @@ class TestCuda:
             assert late.host_s < late.sleep_s() / 2, (late.host_s, late.sleep_s())
         else:
             assert not np.all(result == late.expected)
+
+    @pytest.mark.parametrize("side", [True, False], ids=["side-stream", "default-stream"])
+    @pytest.mark.parametrize("ordered", [True, False])
+    def test_interface_import_orders_torch_writes(self, ordered, side, monkeypatch):
+        """The same with the CUDA array interface import: its `stream` field (torch's
+        stream, or JAX's waiting one on the legacy default stream) orders the read.
+        Naming no stream instead reads the old zeros."""
+        monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")
+        if not ordered:
+            monkeypatch.setattr(dlpack, "producer_stream", lambda place: dlpack._NO_STREAM)
+        late = LateWrite(13.0 if ordered else 17.0, side=side)
+        result = np.asarray(late.y)
+        if ordered:
+            assert np.all(result == late.expected)
+            assert late.host_s < late.sleep_s() / 2, (late.host_s, late.sleep_s())
+        else:
+            assert not np.all(result == late.expected)
+
+    def test_interface_import_is_zero_copy(self, monkeypatch):
+        monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")
+        for dtype in DTYPES:
+            t = sample(dtype, device="cuda")
+            a = to_jax(t)
+            assert a.unsafe_buffer_pointer() == t.data_ptr() and same_values(t, a)
+            assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
 
     @pytest.mark.parametrize("ordered", [True, False])
     def test_jax_result_complete_before_torch_reads(self, ordered, monkeypatch):

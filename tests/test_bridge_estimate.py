@@ -18,6 +18,7 @@ import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bridge_inputs import CASES, jax_of, qk  # noqa: E402
 from xattn_jax import api  # noqa: E402
+from xattn_torch_bridge import estimate  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")
@@ -54,13 +55,14 @@ def test_compiled_once_per_shape(rand):
     shape = (1, 2, 1, 64, 128, 16)
     kwargs = dict(block_size=32, stride=8, causal=True, impl="reference")
     q, k = qk(rand, shape)
-    before = api._estimate._cache_size()
+    compiled = estimate._compiled(tuple(sorted(kwargs.items())))  # the bridge's jit
+    before = compiled._cache_size()
     first = bridge.xattn_estimate(q, k, **kwargs)
-    assert api._estimate._cache_size() == before + 1
+    assert compiled._cache_size() == before + 1
     for threshold in (0.5, 0.95, [0.6, 0.9]):  # thresholds are data: no recompilation
         q, k = qk(rand, shape)
         bridge.xattn_estimate(q, k, threshold=threshold, **kwargs)
-    assert api._estimate._cache_size() == before + 1
+    assert compiled._cache_size() == before + 1
     assert first[0].shape == (1, 2, 2, 4)
 
 

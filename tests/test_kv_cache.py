@@ -6,6 +6,10 @@ The `gpu` tests need torch with CUDA (`pytest -m gpu tests/test_kv_cache.py`).
 
 from __future__ import annotations
 
+
+import time
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -107,6 +111,41 @@ def test_stage_keys_copies_offloaded_keys_into_staging_pages(rand):
     assert event is None and pages == [4, cache.slot(ids[1]), 5]
     for page, i in zip(pages, ids):
         assert torch.equal(cache.keys[page], k[i * BS:(i + 1) * BS])
+
+
+@pytest.mark.parametrize("as_array", [False, True], ids=["list", "numpy"])
+def test_block_table_stages_and_pads(rand, as_array):
+    """The table: pages (offloaded blocks staged), the first page as padding, the token
+    count; one persistent buffer per width, rewritten by each call."""
+    cache = make_cache()
+    k = tokens(rand, 3 * BS - 7)
+    ids = cache.append([], k, k)
+    cache.offload([ids[1]])
+    arg = np.array(ids) if as_array else ids
+    table = cache.block_table(arg, 4)
+    assert table.dtype == torch.int32 and table.device == cache.keys.device
+    assert table.tolist() == [cache.slot(ids[0]), 4, cache.slot(ids[2]), cache.slot(ids[0]),
+                              3 * BS - 7]
+    assert torch.equal(cache.keys[4], k[BS:2 * BS])
+    again = cache.block_table(arg[:2], 4)
+    assert again.data_ptr() == table.data_ptr()  # the same buffer, rewritten
+    assert again.tolist() == [cache.slot(ids[0]), 4, cache.slot(ids[0]), cache.slot(ids[0]),
+                              2 * BS]
+
+
+def test_block_table_refusals(rand):
+    cache = make_cache()
+    ids = cache.append([], tokens(rand, 2 * BS + 3), tokens(rand, 2 * BS + 3))
+    calls = [
+        (lambda: cache.block_table(ids, 2), "width must be an int >= the 3 blocks"),
+        (lambda: cache.block_table(ids, 4.0), "width must be an int"),
+        (lambda: cache.block_table(ids[::-1], 4), "block 2 holds 3 of 64 tokens"),
+        (lambda: cache.block_table(np.array(ids, np.float32), 4), "1-D integers"),
+        (lambda: cache.block_table([0, np.int64(1), True], 4), "block ids are ints"),
+        (lambda: cache.block_table(np.array([0, 1, 1]), 4), "repeated block ids"),
+    ]
+    for call, message in calls:
+        assert_refused(cache, call, message)
 
 
 def test_random_operations_match_a_model(rand):
@@ -263,3 +302,24 @@ def test_cuda_stage_keys_overlaps_the_current_stream(rand):
     assert isinstance(event, torch.cuda.Event) and pages[:2] == [4, 5]
     torch.cuda.current_stream().wait_event(event)
     assert torch.equal(cache.keys[pages].reshape(-1, HKV, D), k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_block_table_is_ordered_without_waiting(rand):
+    """block_table returns while torch's current stream is still busy (no host wait), and
+    work queued on that stream afterwards reads the staged keys and the table."""
+    cache = make_cache(device="cuda")
+    k = tokens(rand, 3 * BS).cuda()
+    ids = cache.append([], k, k)
+    cache.offload(ids[:2])
+    cache.block_table(ids, 4)  # allocates this width's buffers
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second on the current stream
+    start = time.perf_counter()
+    table = cache.block_table(ids, 4)
+    host_s = time.perf_counter() - start
+    pages = table[:3].long()
+    got = cache.keys[pages].reshape(-1, HKV, D).clone()  # queued after the table
+    assert not torch.cuda.current_stream().query() and host_s < 0.1
+    assert torch.equal(got, k) and table.tolist() == [4, 5, cache.slot(ids[2]), 4, 3 * BS]

@@ -8,6 +8,9 @@ The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
 
 from __future__ import annotations
 
+
+import jax
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,6 +19,7 @@ import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from cache_state import assert_refused, snapshot  # noqa: E402
 from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference  # noqa: E402
+from xattn_torch_bridge import policy as policy_module  # noqa: E402
 
 BS, HKV, HQ, D, EBS, STRIDE = 64, 2, 4, 16, 32, 8
 GPU_EBS = 64  # the estimate block size of the Pallas kernel's GPU tests
@@ -48,16 +52,20 @@ def make_cache(rand, length: int, **kwargs):
 
 
 def expected(q, cache, ids, policy: XAttentionPolicy, threshold: float) -> set[int]:
-    """The reference's selection (float64) on the sequence's gathered keys."""
+    """The reference's selection (float64) on the sequence's gathered keys: the pages of
+    the chosen units."""
     keys = torch.cat([cache.kv(i)[0].cpu() for i in ids]).double()
     vote = policy.rule == "vote"
+    unit = policy._unit(cache.block_size)
     scores = reference.kv_block_scores(q[None].double().cpu(), keys.permute(1, 0, 2)[None],
-                                       BS, policy.estimate_block_size, policy.stride,
+                                       unit, policy.estimate_block_size, policy.stride,
                                        per_query_block=vote)
     mask = reference.select_kv_blocks(scores, min(max(threshold, 1e-6), 1.0),
                                       policy.keep_first, policy.keep_last,
                                       HKV if policy.per_kv_head else None, rule=policy.rule)
-    return {ids[j] for j in torch.nonzero(mask.any(dim=1)[0]).flatten().tolist()}
+    per_unit = unit // cache.block_size
+    units = torch.nonzero(mask.any(dim=1)[0]).flatten().tolist()
+    return {i for u in units for i in ids[u * per_unit:(u + 1) * per_unit]}
 
 
 def check(q, cache, ids, policy, rand, eps: float = EPS) -> list[int]:
@@ -104,6 +112,42 @@ def test_chunk_of_several_query_blocks(rand, length, rule):
     check(q, cache, ids, XAttentionPolicy(0.7, STRIDE, EBS, rule=rule), rand)
 
 
+@pytest.mark.parametrize("page", [16, 32], ids=lambda p: f"page{p}")
+def test_small_pages_select_whole_units(rand, page):
+    """Pages smaller than the estimate block: units of several pages (64 tokens here, or
+    by default the estimate block), the pages of a unit chosen together, the same tokens
+    as a cache of 64-token pages."""
+    k, v, q = context(rand, 5 * BS + 17)
+    small = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.float32, device="cpu")
+    ids = small.append([], k, v)
+    big = PagedKVCache(8, BS, HKV, D, dtype=torch.float32, device="cpu")
+    big_ids = big.append([], k, v)
+    for unit in (BS, None):
+        policy = XAttentionPolicy(0.6, STRIDE, EBS, selection_unit=unit)
+        got = check(q, small, ids, policy, rand)
+        per_unit = policy._unit(page) // page
+        assert all(set(ids[u:u + per_unit]) <= set(got) or not set(ids[u:u + per_unit]) & set(got)
+                   for u in range(0, len(ids), per_unit))
+        if unit == BS:
+            tokens = {j // (BS // page) for j in got}
+            assert tokens == set(policy.select_blocks(q, big, big_ids))
+        as_array = policy.select_blocks(q, small, np.array(ids))  # ids as numpy
+        assert isinstance(as_array, np.ndarray) and as_array.tolist() == got
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
+                         ids=lambda p: f"page{p}")
+def test_defaults_work_for_every_page_size(rand, page):
+    """XAttentionPolicy() on caches of 16- to 4096-token pages: units of 1024 tokens up to
+    1024-token pages, one page above; the reference's pages either way."""
+    k, v, q = context(rand, 5000)
+    cache = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.float32, device="cpu")
+    ids = cache.append([], k, v)
+    policy = XAttentionPolicy(0.6)
+    assert policy._unit(page) == max(page, 1024)
+    check(q, cache, ids, policy, rand)
+
+
 def test_offloaded_blocks_give_the_same_selection(rand):
     cache, ids, q = make_cache(rand, 5 * BS + 17)
     policy = XAttentionPolicy(0.6, STRIDE, EBS)
@@ -119,24 +163,48 @@ def test_offloaded_blocks_give_the_same_selection(rand):
     assert policy.select_blocks(q, cache, ids) == resident
 
 
+def spy_selection(monkeypatch) -> list:
+    """Records the arrays each `_selection` call receives."""
+    seen = []
+    original = policy_module._selection
+
+    def spy(q_jax, pages_jax, table_jax, **kwargs):
+        seen.append((q_jax, pages_jax, np.asarray(table_jax)))
+        return original(q_jax, pages_jax, table_jax, **kwargs)
+
+    monkeypatch.setattr(policy_module, "_selection", spy)
+    return seen
+
+
 def test_zero_copy(rand, monkeypatch):
     cache, ids, q = make_cache(rand, 3 * BS)
     cache.offload(ids[1:2])
-    seen = []
-    original = xattn_jax.kv_block_scores
-
-    def spy(q_jax, k_jax, **kwargs):
-        seen.append((q_jax.unsafe_buffer_pointer(), k_jax.unsafe_buffer_pointer(),
-                     k_jax.shape, kwargs["block_table"].tolist(), kwargs["k_len"]))
-        return original(q_jax, k_jax, **kwargs)
-
-    monkeypatch.setattr(xattn_jax, "kv_block_scores", spy)
+    seen = spy_selection(monkeypatch)
     XAttentionPolicy(0.9, STRIDE, EBS).select_blocks(q, cache, ids)
-    ((q_ptr, k_ptr, shape, table, k_len),) = seen
-    assert q_ptr == q.data_ptr() and k_ptr == cache.keys.data_ptr()
-    assert shape == tuple(cache.keys.shape)
-    assert table == [[cache.slot(ids[0]), 8, cache.slot(ids[2]), cache.slot(ids[0])]]
-    assert k_len == 3 * BS
+    ((q_jax, pages_jax, table),) = seen
+    assert q_jax.unsafe_buffer_pointer() == q.data_ptr()
+    assert pages_jax.unsafe_buffer_pointer() == cache.keys.data_ptr()
+    assert pages_jax.shape == tuple(cache.keys.shape)
+    # pages (the offloaded block staged into page 8), padding, then the token count
+    assert table.tolist() == [cache.slot(ids[0]), 8, cache.slot(ids[2]), cache.slot(ids[0]),
+                              3 * BS]
+
+
+def test_one_computation_one_read_no_upload(rand, monkeypatch):
+    """After the first call: one jitted computation, one explicit device-to-host read,
+    no host-to-device transfer (the table travels through the cache's buffer, the token
+    count inside it), and no recompilation as the context grows within a power of two."""
+    cache, ids, q = make_cache(rand, 5 * BS + 17)
+    policy = XAttentionPolicy(0.7, STRIDE, EBS)
+    policy.select_blocks(q, cache, ids[:5])  # compiles for 8 units (5 blocks)
+    compiled = policy_module._selection._cache_size()
+    reads = []
+    original = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or original(x))
+    with jax.transfer_guard("disallow"):
+        for n in (5, 6):
+            policy.select_blocks(q, cache, ids[:n])
+    assert len(reads) == 2 and policy_module._selection._cache_size() == compiled
 
 
 def test_refusals_leave_the_cache_unchanged(rand):
@@ -160,8 +228,9 @@ def test_refusals_leave_the_cache_unchanged(rand):
         (lambda: policy.select_blocks(q, cache, [3, 0]), "block 3 holds 5 of 64 tokens"),
         (lambda: policy.select_blocks(q, cache, [0, 0]), "repeated block ids"),
         (lambda: policy.select_blocks(q, cache, ids), "3 offloaded blocks but only 2"),
-        (lambda: XAttentionPolicy(0.9, STRIDE, 48).select_blocks(q, cache, ids),
-         r"estimate_block_size \(48\) must divide the cache's block_size \(64\)"),
+        (lambda: XAttentionPolicy(0.9, STRIDE, EBS, selection_unit=96).select_blocks(
+            q, cache, ids), r"selection_unit \(96\) must be a multiple of the cache's "
+                            r"block_size \(64\)"),
     ]
     for call, message in calls:
         assert_refused(cache, call, message, (ValueError, TypeError))
@@ -185,6 +254,9 @@ def test_empty_last_block_is_refused(rand):
     (dict(keep_last=1), TypeError, "keep_last must be True or False"),
     (dict(norm=0.0), ValueError, "norm must be a finite number > 0"),
     (dict(impl="cuda"), ValueError, "impl must be one of"),
+    (dict(selection_unit=0), ValueError, "selection_unit must be an integer >= 1"),
+    (dict(selection_unit=1536), ValueError, r"selection_unit \(1536\) must be a multiple of "
+                                            r"estimate_block_size \(1024\)"),
 ])
 def test_constructor_checks(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -219,18 +291,27 @@ def test_cuda_matches_cpu_with_offloaded_blocks(rand, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("page", [16, 64], ids=lambda p: f"page{p}")
+def test_cuda_small_pages_with_offloaded_pages(rand, page):
+    """16-token pages on CUDA (units of 4 pages, two of them offloaded and staged): the
+    reference's pages."""
+    k, v, q = context(rand, 6 * BS + 9)
+    cache = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.bfloat16,
+                         device="cuda", num_cpu_blocks=2, staging_slots=2)
+    ids = cache.append([], k.bfloat16().cuda(), v.bfloat16().cuda())
+    cache.offload(ids[5:7])
+    check(q.bfloat16().cuda(), cache, ids, XAttentionPolicy(0.6, STRIDE, GPU_EBS), rand, 1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_zero_copy(rand, monkeypatch):
     cache = PagedKVCache(4, BS, HKV, D, dtype=torch.bfloat16, device="cuda", num_cpu_blocks=2)
     k, v, q = context(rand, 2 * BS)
     ids = cache.append([], k.bfloat16().cuda(), v.bfloat16().cuda())
     cache.offload(ids[:1])
-    seen = []
-    original = xattn_jax.kv_block_scores
-
-    def spy(q_jax, k_jax, **kwargs):
-        seen.append(k_jax.unsafe_buffer_pointer())
-        return original(q_jax, k_jax, **kwargs)
-
-    monkeypatch.setattr(xattn_jax, "kv_block_scores", spy)
+    seen = spy_selection(monkeypatch)
     XAttentionPolicy(0.9, STRIDE, GPU_EBS).select_blocks(q.bfloat16().cuda(), cache, ids)
-    assert seen == [cache.keys.data_ptr()]
+    ((_, pages_jax, table),) = seen
+    assert pages_jax.unsafe_buffer_pointer() == cache.keys.data_ptr()
+    assert table.tolist() == [4, cache.slot(ids[1]), 2 * BS]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from xattn_jax import impls
 from xattn_jax.checks import (check_block_sums, check_flag, check_norm, check_qk,
@@ -40,7 +41,7 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
     """
     check_block_sums(block_sums)
     t = threshold_per_head(threshold, block_sums.shape[1])
-    return _select(block_sums.astype("float32"), t, causal=check_flag("causal", causal),
+    return _select(block_sums, t, causal=check_flag("causal", causal),
                    keep_sink=check_flag("keep_sink", keep_sink),
                    keep_recent=check_flag("keep_recent", keep_recent),
                    impl=impls.resolve(impl, block_sums))
@@ -49,7 +50,7 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
 @functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent", "impl"))
 def _select(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool,
             impl: Implementation):
-    return impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
+    return impl.select_blocks(sums.astype(jnp.float32), threshold, causal=causal, keep_sink=keep_sink,
                               keep_recent=keep_recent)
 
 

@@ -377,7 +377,9 @@ def _check_block_table(block_table, batch: int, num_pages: int) -> jax.Array:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_pages:
             raise ValueError(f"{rule}, got ids from {low} to {high}")
-    table = jnp.asarray(block_table, jnp.int32)
+    # a jax.Array goes as it is (the jitted callee casts it): no host work per call
+    table = block_table if isinstance(block_table, jax.Array) \
+        else np.asarray(block_table, np.int32)
     check_traced((table >= 0) & (table < num_pages), rule + ", got {}", table)
     return table
 
@@ -391,16 +393,18 @@ def _readable_on_host(x) -> bool:
     return all(d.platform == "cpu" for d in x.devices())
 
 
-def key_len(k_len, capacity: int) -> jax.Array:
-    """k_len as int32 `[]`: None (the whole buffer), an int in [1, capacity], or an int32
-    scalar jax.Array (maybe traced; its value is checked in checked mode only)."""
+def key_len(k_len, capacity: int):
+    """k_len checked: None (the whole buffer) and an int in [1, capacity] as a Python int,
+    or an integer scalar jax.Array (maybe traced; its value is checked in checked mode
+    only) as int32. The jitted callee makes the int a device scalar: converting it here
+    would cost ~20 us of host time per call."""
     if k_len is None:
-        return jnp.int32(capacity)
+        return capacity
     rule = f"k_len must lie in [1, {capacity}] (k's length)"
     if _is_int(k_len):
         if not 1 <= k_len <= capacity:
             raise ValueError(f"{rule}, got {k_len}")
-        return jnp.int32(k_len)
+        return int(k_len)
     if not isinstance(k_len, jax.Array):
         raise TypeError(f"k_len must be an int or a scalar integer jax.Array, got {k_len!r} "
                         f"({type(k_len).__name__})")
@@ -413,18 +417,19 @@ def key_len(k_len, capacity: int) -> jax.Array:
 
 
 def valid_counts(num_valid, batch: int, blocks: int):
-    """Blocks in use per batch element (the first num_valid are), int32 `[B]`.
+    """Blocks in use per batch element (the first num_valid are), checked: a Python int
+    (None: all n blocks), or int32 `[B]` (the jitted callee broadcasts an int).
 
-    num_valid: None (all n blocks), an int, or ints of shape [] or [B] (numpy: checked on
-    the host; jax.Array, maybe traced: checked in checked mode only).
+    num_valid: None, an int, or ints of shape [] or [B] (numpy: checked on the host;
+    jax.Array, maybe traced: checked in checked mode only).
     """
     if num_valid is None:
-        return np.full((batch,), blocks, np.int32)
+        return blocks
     rule = f"num_valid must lie in [1, {blocks}] (the blocks of scores)"
     if _is_int(num_valid):  # the common case, without numpy's checks
         if not 1 <= num_valid <= blocks:
             raise ValueError(f"{rule}, got {num_valid}")
-        return np.full((batch,), num_valid, np.int32)
+        return int(num_valid)
     if isinstance(num_valid, jax.Array):
         counts = num_valid
     elif isinstance(num_valid, (np.ndarray, list, tuple)):

@@ -92,15 +92,22 @@ def _platform(device: jax.Device | None) -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def resolve(impl: str, *arrays) -> Implementation:
-    """The implementation of the estimate's ops that `impl` names, for inputs `arrays`.
+def resolve(impl: str | Implementation, *arrays,
+            device: jax.Device | None = None) -> Implementation:
+    """The implementation of the estimate's ops that `impl` names, for inputs `arrays`
+    (or for `device`, where given). An `Implementation` (from an earlier `resolve`) is
+    returned as it is: a caller that traces the public functions in its own jit, where
+    the inputs have no device yet, pins the implementation of the device they will run on
+    this way.
 
     A ValueError for a name not in IMPLS, and for "mosaic", which has no estimate
     kernels yet: the message says what it needs.
     """
+    if isinstance(impl, Implementation):
+        return impl
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    device = device_of(*arrays)
+    device = device or device_of(*arrays)
     on_gpu = _platform(device) == "gpu"
     if impl == "mosaic":
         reason = mosaic.unavailable(device)

@@ -42,6 +42,9 @@ def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
                                              "per_query_block", "impl"))
 def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_kv_block: int,
                per_query_block: bool, impl: Implementation):
+    key_len = jnp.asarray(key_len, jnp.int32)
+    if block_table is not None:
+        block_table = block_table.astype(jnp.int32)
     sums = impl.block_sums(q, k, geom=geom, causal=False, norm=norm, key_len=key_len,
                            block_table=block_table)
     rows = _sum_groups(sums, 2, per_kv_block) if per_query_block else sums.sum(axis=2)
@@ -93,8 +96,9 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
                                              "per_kv_head"))
 def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first: bool,
                keep_last: bool, per_kv_head: bool):
-    """scores `[B, Hq, n]` (score) or `[B, Hq, R, n]` (vote); counts int32 `[B]`.
+    """scores `[B, Hq, n]` (score) or `[B, Hq, R, n]` (vote); counts ints `[]` or `[B]`.
     Returns bool `[B, G, n]` per KV head, else `[B, n]`."""
+    counts = jnp.broadcast_to(jnp.asarray(counts, jnp.int32), scores.shape[:1])
     scores = scores.astype(jnp.float32)
     groups = scores.reshape(scores.shape[0], groups, -1, *scores.shape[2:])
     j = jnp.arange(scores.shape[-1])

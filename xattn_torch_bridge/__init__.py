@@ -9,6 +9,12 @@ Public API:
 - `block_sparse_attention(q, k, v, mask, **kwargs)` and `xattention(q, k, v, **kwargs)`:
   `xattn_jax`'s attention on a block mask and XAttention end to end, on torch tensors
   (`xattn_torch_bridge.attention`).
+- `PagedKVCache`: a paged KV cache of one layer (any page size, CPU offload, staging and
+  a persistent device block table); `XAttentionPolicy`: the chunked-prefill selection of
+  its pages in one jitted computation (`xattn_torch_bridge.policy`).
+- torch.compile: the estimate and the policy's scoring and selection are torch custom
+  ops (`torch.ops.xattn.estimate`, `.policy_scores`, `.policy_selection`), called by the
+  public functions inside a compiled region, so `fullgraph=True` compiles them.
 - `xattn_torch_bridge.reference`: an independent pure-torch reference of docs/estimate.md
   sections 1-5.
 

@@ -2,29 +2,66 @@
 
 q and k go to JAX without a copy, with one stream-order step for both
 (`dlpack.views_for_one_computation`: q's view carries it, and the estimate reads both in
-one computation); the estimate runs where they live through `xattn_jax.xattn_estimate`,
-whose jitted function is compiled once per shape, dtype, device and static argument and
-reused after that; its two results come back as torch tensors without a copy, ordered
-before later work on torch's current stream.
+one computation; k's view is reused while the same k tensor is passed again); the
+estimate runs where they live; its two results come back as torch
+tensors without a copy, ordered before later work on torch's current stream.
+
+Host time per call. The keyword arguments but the threshold are fixed per compiled
+function: `xattn_jax.xattn_estimate` with them is jitted once per set of arguments
+(`_compiled`) and called with q, k and the threshold as data, so a repeated call runs
+none of xattn_jax's Python checks (they ran when it was traced, and depend on shapes and
+those arguments only) and reaches the compiled computation through jax.jit's C++ path.
+The threshold is checked on the host here (as xattn_jax does for floats) and its device
+array is reused across calls (`xattn_jax.checks.threshold_per_head`).
+
+torch.compile: `xattn_estimate` inside a compiled region calls the custom op
+`torch.ops.xattn.estimate` (with a fake implementation giving the result shapes), so a
+model compiled with `fullgraph=True` calls the estimate without a graph break; eagerly
+it calls the implementation directly (the dispatcher's overhead is not paid).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Sequence
+
+import jax
 import torch
 import xattn_jax
-from xattn_jax.checks import check_flag
+from xattn_jax import impls
+from xattn_jax.checks import check_flag, threshold_per_head
 
-from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, place_of, to_torch,
-                                      views_for_one_computation)
+from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, persistent_view, place_of, to_torch,
+                                       unordered_view, views_for_one_computation)
+
+DEFAULT_THRESHOLD = 0.9  # xattn_jax.xattn_estimate's default
 
 
 def _detached(x):
     return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(options: tuple) -> jax.stages.Wrapped:
+    """`xattn_jax.xattn_estimate(q, k, threshold=t, **dict(options))`, jitted (q, k, t)."""
+    return jax.jit(functools.partial(_estimate_with, options=options))
+
+
+def _estimate_with(q, k, threshold, *, options: tuple):
+    return xattn_jax.xattn_estimate(q, k, threshold=threshold, **dict(options))
+
+
+def k_view(k: torch.Tensor, place, copy: bool) -> jax.Array:
+    """k's unordered view: reused while the same tensor object is passed again (a cache's
+    keys: `dlpack.persistent_view`), fresh for a copy. The estimate's computation is
+    ordered by q's view, so it sees every write queued on torch's stream before the call."""
+    return unordered_view(k, place) if copy else persistent_view(k, place)
+
+
 def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The XAttention estimate (docs/estimate.md sections 1-4) of torch tensors.
+    """The XAttention estimate (ESTIMATE.md sections 1-4) of torch tensors.
 
     Takes the keyword arguments of `xattn_jax.xattn_estimate` (block_size, stride,
     threshold, causal, norm, keep_sink, keep_recent, impl, max_scratch_bytes) with the same
@@ -45,12 +82,60 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
       `(block_sums, mask)`: float32 and bool torch tensors `[B, Hq, ceil(Lq/block_size),
       ceil(Lk/block_size)]` on q's device, sharing memory with JAX's results.
     """
+    if torch.compiler.is_compiling():
+        return _call_op(q, k, copy, kwargs)
     copy = check_flag("copy", copy)
     q, place = place_of(_detached(q), "q", copy, FLOAT_DTYPES)
     k, k_place = place_of(_detached(k), "k", copy, FLOAT_DTYPES)
     if k_place is not place:
         raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
-    if isinstance(kwargs.get("threshold"), torch.Tensor):
-        kwargs["threshold"] = kwargs["threshold"].tolist()
-    sums, mask = xattn_jax.xattn_estimate(*views_for_one_computation(place, q, k), **kwargs)
+    threshold = kwargs.pop("threshold", DEFAULT_THRESHOLD)
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.tolist()
+    if getattr(q, "ndim", 0) == 4:  # else the traced call below names the wrong rank
+        threshold = threshold_per_head(threshold, q.shape[1])
+    # resolved here, for the device q lives on: inside the jitted call it has none yet
+    kwargs["impl"] = impls.resolve(kwargs.get("impl", "auto"), device=place.jax_device)
+    views = views_for_one_computation(place, q) + (k_view(k, place, copy),)
+    sums, mask = _compiled(tuple(sorted(kwargs.items())))(*views, threshold)
     return to_torch(sums), to_torch(mask)
+
+
+# --- torch.compile ----------------------------------------------------------------------
+
+# xattn_jax.xattn_estimate's keyword arguments and defaults, in the op's order
+_OPTIONS = {name: p.default for name, p in
+            inspect.signature(xattn_jax.xattn_estimate).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "threshold"}
+
+
+def _call_op(q, k, copy: bool, kwargs: dict):
+    threshold = kwargs.pop("threshold", DEFAULT_THRESHOLD)
+    unknown = set(kwargs) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"xattn_estimate got unexpected keyword arguments {sorted(unknown)}")
+    per_head = [float(t) for t in threshold] if isinstance(threshold, Sequence) \
+        else [float(threshold)]
+    options = {**_OPTIONS, **kwargs}
+    return estimate_op(q, k, per_head, *options.values(), copy)
+
+
+@torch.library.custom_op("xattn::estimate", mutates_args=())
+def estimate_op(q: torch.Tensor, k: torch.Tensor, threshold: list[float], block_size: int,
+                stride: int, causal: bool, norm: float, keep_sink: bool, keep_recent: bool,
+                impl: str, max_scratch_bytes: int | None,
+                copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`xattn_estimate` as a torch custom op (threshold: one value, or one per query head;
+    the other arguments in the order of `xattn_jax.xattn_estimate`)."""
+    return xattn_estimate(q, k, threshold=threshold[0] if len(threshold) == 1 else threshold,
+                          block_size=block_size, stride=stride, causal=causal, norm=norm,
+                          keep_sink=keep_sink, keep_recent=keep_recent, impl=impl,
+                          max_scratch_bytes=max_scratch_bytes, copy=copy)
+
+
+@estimate_op.register_fake
+def _estimate_shapes(q, k, threshold, block_size, stride, causal, norm, keep_sink,
+                     keep_recent, impl, max_scratch_bytes, copy):
+    batch, heads, q_len, _ = q.shape
+    shape = (batch, heads, -(-q_len // block_size), -(-k.shape[2] // block_size))
+    return q.new_empty(shape, dtype=torch.float32), q.new_empty(shape, dtype=torch.bool)

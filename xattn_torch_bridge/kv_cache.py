@@ -1,7 +1,8 @@
 """A small paged KV cache for one attention layer, with CPU-offloaded blocks.
 
 Device pages use the layout of vLLM and nano-vllm, `[pages, block_size, Hkv, D]`, so the
-estimate reads them in place through a block table (`xattn_jax.kv_block_scores`).
+estimate reads them in place through a block table (`xattn_jax.kv_block_scores`). A block
+is one page: `block_size` is the page size, any size from one token up (vLLM uses 16).
 
 Blocks and handles. `allocate` returns block ids: stable handles, never reused, so a
 freed id is told apart from an unknown one. A block is either resident (it has a device
@@ -11,10 +12,13 @@ a list of block ids in order, all full but the last; `append` adds tokens to one
 
 Memory. `keys` is `[num_blocks + staging_slots, block_size, Hkv, D]` on the device: the
 first num_blocks pages hold resident blocks, the last staging_slots pages are where
-`stage_keys` copies the keys of offloaded blocks for an estimate (values are never
-staged, so `values` is `[num_blocks, block_size, Hkv, D]`). The CPU pool is pinned
-(page-locked) memory when the device is CUDA, so its copies can run asynchronously on a
-side stream; plain memory otherwise.
+`stage_keys` and `block_table` copy the keys of offloaded blocks for an estimate (values
+are never staged, so `values` is `[num_blocks, block_size, Hkv, D]`). The CPU pool is
+pinned (page-locked) memory when the device is CUDA, so its copies can run asynchronously
+on a side stream; plain memory otherwise.
+
+Bookkeeping is held in numpy arrays indexed by block id, so the checks of a sequence of
+thousands of small pages are a few vectorized operations, not a Python loop per block.
 
 Errors. Every method checks all of its arguments first and changes nothing unless all
 checks pass: a ValueError (TypeError for a non-tensor) names the argument and the rule
@@ -23,15 +27,47 @@ needed, wrong dtype, wrong head count or head_dim, out of capacity).
 
 Stream order on CUDA. `append`, `offload` and `load` copy on torch's current stream;
 `offload` and `load` wait for their copies (the CPU side is then complete).
-`stage_keys` copies on the cache's side stream and returns an event; see its docstring.
+`stage_keys` copies on the cache's side stream and returns an event; `block_table`
+stages the same way and makes torch's current stream wait for it; see their docstrings.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from xattn_jax.checks import check_int
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_TYPES = frozenset({int, np.int32, np.int64})  # what a list of block ids may hold
+
+
+class _TableBuffer:
+    """A persistent block table of one width: `table`, int32 `[width + 1]` on the device,
+    written through its pinned host twin `host` on CUDA (one asynchronous copy per call,
+    no allocation); on the CPU the host tensor is the table itself."""
+
+    def __init__(self, width: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.device = device
+        self.host = torch.zeros(width + 1, dtype=torch.int32, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.table = torch.zeros(width + 1, dtype=torch.int32, device=device) if cuda \
+            else self.host
+        self.copied = torch.cuda.Event() if cuda else None
+
+    def write(self, pages: np.ndarray, tokens: int) -> torch.Tensor:
+        """Fills the table (pages, padded with the first page, then `tokens`) and returns
+        it, its copy queued on torch's current stream."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the last call's copy has read the host twin
+        n = len(pages)
+        self.host_np[:n] = pages
+        self.host_np[n:-1] = pages[0]
+        self.host_np[-1] = tokens
+        if self.copied is not None:
+            self.table.copy_(self.host, non_blocking=True)
+            self.copied.record(torch.cuda.current_stream(self.device))
+        return self.table
 
 
 class PagedKVCache:
@@ -39,13 +75,13 @@ class PagedKVCache:
 
     Args:
       num_blocks: device pages for resident blocks.
-      block_size: tokens per block.
+      block_size: tokens per block (the page size).
       kv_heads, head_dim: Hkv and D of the keys and values.
       dtype: float32, bfloat16 or float16 (what the estimate takes).
       device: where the pages live; default "cuda" if torch sees a GPU, else "cpu".
       num_cpu_blocks: CPU slots for offloaded blocks (0: no offloading).
       staging_slots: device pages for the keys of offloaded blocks during an estimate;
-        at most this many offloaded blocks per `stage_keys` call.
+        at most this many offloaded blocks per `stage_keys` or `block_table` call.
     """
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
@@ -74,9 +110,13 @@ class PagedKVCache:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._free = list(range(num_blocks - 1, -1, -1))  # device slots; pop() -> lowest
         self._free_cpu = list(range(num_cpu_blocks - 1, -1, -1))
-        self._where: dict[int, tuple[bool, int]] = {}  # id -> (resident, slot)
-        self._tokens: dict[int, int] = {}
+        # per block id (ids < _next_id): live, resident, slot (device or CPU), tokens
+        self._alive = np.zeros(0, bool)
+        self._resident = np.zeros(0, bool)
+        self._slot = np.zeros(0, np.int64)
+        self._tokens = np.zeros(0, np.int64)
         self._next_id = 0
+        self._tables: dict[int, _TableBuffer] = {}
 
     # --- queries ------------------------------------------------------------------------
 
@@ -92,26 +132,25 @@ class PagedKVCache:
 
     def tokens(self, block_id: int) -> int:
         """How many of the block's `block_size` positions hold tokens."""
-        return self._tokens[self._check_ids([block_id], "block_id")[0]]
+        return int(self._tokens[self._check_ids([block_id], "block_id")[0]])
 
     def is_resident(self, block_id: int) -> bool:
         """Whether the block has a device slot (False: it is offloaded)."""
-        return self._where[self._check_ids([block_id], "block_id")[0]][0]
+        return bool(self._resident[self._check_ids([block_id], "block_id")[0]])
 
     def slot(self, block_id: int) -> int:
         """The device slot (page of `keys` and `values`) of a resident block."""
-        (i,) = self._check_ids([block_id], "block_id")
-        self._require([i], True, "block_id")
-        return self._where[i][1]
+        ids = self._check_ids([block_id], "block_id")
+        self._require(ids, True, "block_id")
+        return int(self._slot[ids[0]])
 
     def kv(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's filled keys and values, each `[tokens, Hkv, D]`: views of the device
         pages of a resident block, of the CPU pool for an offloaded one. Read them only:
         writing through them bypasses the cache's checks."""
         (i,) = self._check_ids([block_id], "block_id")
-        resident, slot = self._where[i]
-        n = self._tokens[i]
-        if resident:
+        slot, n = int(self._slot[i]), int(self._tokens[i])
+        if self._resident[i]:
             return self.keys[slot, :n], self.values[slot, :n]
         return self.cpu_keys[slot, :n], self.cpu_values[slot, :n]
 
@@ -142,18 +181,18 @@ class PagedKVCache:
                              f"{k.shape[0]} and {v.shape[0]}")
         self._check_full(ids)
         k, v, count = k.detach(), v.detach(), k.shape[0]
-        room = self.block_size - self._tokens[ids[-1]] if ids else 0
-        if ids and min(room, count):
+        room = self.block_size - int(self._tokens[ids[-1]]) if len(ids) else 0
+        if len(ids) and min(room, count):
             self._require(ids[-1:], True, "block_ids (the last block, which has room)")
         new = -(-max(count - room, 0) // self.block_size)
         if new > len(self._free):
             raise ValueError(f"k: out of capacity: {count} tokens need {new} new blocks, "
                              f"{len(self._free)} device blocks free")
         first = len(ids) - 1 if room and count else len(ids)  # the first block written
-        ids = ids + [self._new_block() for _ in range(new)]
+        ids = ids.tolist() + [self._new_block() for _ in range(new)]
         start = 0
         for i in ids[first:]:
-            filled, slot = self._tokens[i], self._where[i][1]
+            filled, slot = int(self._tokens[i]), int(self._slot[i])
             take = min(self.block_size - filled, count - start)
             self.keys[slot, filled:filled + take].copy_(k[start:start + take])
             self.values[slot, filled:filled + take].copy_(v[start:start + take])
@@ -163,10 +202,9 @@ class PagedKVCache:
 
     def free(self, block_ids) -> None:
         """Frees the blocks (resident or offloaded); their ids become invalid."""
-        for i in self._check_ids(block_ids, "block_ids"):
-            resident, slot = self._where.pop(i)
-            del self._tokens[i]
-            (self._free if resident else self._free_cpu).append(slot)
+        for i in self._check_ids(block_ids, "block_ids").tolist():
+            self._alive[i] = False
+            (self._free if self._resident[i] else self._free_cpu).append(int(self._slot[i]))
 
     def offload(self, block_ids) -> None:
         """Moves resident blocks to CPU slots, freeing their device slots."""
@@ -177,12 +215,12 @@ class PagedKVCache:
                              f"offload, {len(self._free_cpu)} CPU blocks free")
         if self._stream is not None:  # a staging copy may still read a CPU slot
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        for i in ids:
-            slot, cpu = self._where[i][1], self._free_cpu.pop()
+        for i in ids.tolist():
+            slot, cpu = int(self._slot[i]), self._free_cpu.pop()
             self.cpu_keys[cpu].copy_(self.keys[slot])
             self.cpu_values[cpu].copy_(self.values[slot])
             self._free.append(slot)
-            self._where[i] = (False, cpu)
+            self._resident[i], self._slot[i] = False, cpu
 
     def load(self, block_ids) -> None:
         """Moves offloaded blocks back to device slots, freeing their CPU slots."""
@@ -191,23 +229,17 @@ class PagedKVCache:
         if len(ids) > len(self._free):
             raise ValueError(f"block_ids: out of capacity: {len(ids)} blocks to load, "
                              f"{len(self._free)} device blocks free")
-        for i in ids:
-            cpu, slot = self._where[i][1], self._free.pop()
+        for i in ids.tolist():
+            cpu, slot = int(self._slot[i]), self._free.pop()
             self.keys[slot].copy_(self.cpu_keys[cpu])
             self.values[slot].copy_(self.cpu_values[cpu])
             self._free_cpu.append(cpu)
-            self._where[i] = (True, slot)
+            self._resident[i], self._slot[i] = True, slot
 
     def sequence_length(self, block_ids) -> int:
         """The tokens held by a sequence's blocks (in order, all full but the last, which
         holds at least one): (len(block_ids) - 1) * block_size + tokens of the last."""
-        ids = self._check_ids(block_ids, "block_ids")
-        if not ids:
-            raise ValueError("block_ids: a sequence holds at least one block")
-        self._check_full(ids)
-        if not self._tokens[ids[-1]]:
-            raise ValueError(f"block_ids: the last block {ids[-1]} is empty")
-        return (len(ids) - 1) * self.block_size + self._tokens[ids[-1]]
+        return self._check_sequence(self._check_ids(block_ids, "block_ids"))
 
     def stage_keys(self, block_ids) -> tuple[list[int], torch.cuda.Event | None]:
         """The page of `keys` holding each block's keys, staging offloaded blocks.
@@ -222,58 +254,139 @@ class PagedKVCache:
         and the event is None.
         """
         ids = self._check_ids(block_ids, "block_ids")
-        offloaded = [i for i in ids if not self._where[i][0]]
-        if len(offloaded) > self.staging_slots:
-            raise ValueError(f"block_ids: {len(offloaded)} offloaded blocks but only "
-                             f"{self.staging_slots} staging slots: load some blocks first, "
-                             f"or build the cache with staging_slots >= {len(offloaded)}")
-        staged = dict(zip(offloaded, range(self.num_blocks, self.num_blocks + len(offloaded))))
-        if self._stream is None:
-            for i, page in staged.items():
-                self.keys[page].copy_(self.cpu_keys[self._where[i][1]])
-            event = None
-        else:
-            with torch.cuda.stream(self._stream):
-                for i, page in staged.items():
-                    self.keys[page].copy_(self.cpu_keys[self._where[i][1]], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return [staged.get(i, self._where[i][1]) for i in ids], event
+        self._check_staging(ids)
+        pages, event = self._stage(ids)
+        return pages.tolist(), event
+
+    def block_table(self, block_ids, width: int) -> torch.Tensor:
+        """A sequence's block table for one estimate: int32 `[width + 1]` on the device.
+
+        Entries 0..n-1 are the pages of `keys` holding the keys of the n blocks of
+        `block_ids` (a sequence: in order, all full but the last, which holds at least
+        one token), offloaded blocks staged as by `stage_keys`; entries n..width-1 repeat
+        the first page (padding: a reader masks them by the token count); entry `width`
+        is the sequence's token count. width >= n.
+
+        Order of work on CUDA: the staging copies are issued first, on the side stream;
+        then the table is written into a pinned host buffer and copied, asynchronously,
+        into a device buffer on torch's current stream; then the current stream waits for
+        the staging copies. Work queued on the current stream afterwards (an estimate
+        ordered after it by `to_jax`) sees the staged keys and the table, and the copies
+        overlap whatever the current stream was still running. No device or host sync
+        (the host waits only if the previous copy of this width's pinned buffer is still
+        pending).
+
+        The returned tensor is the cache's buffer for this width, overwritten by the next
+        call of the same width: the reader must have finished (or be ordered on the current
+        stream before that call's copy) by then, as for the staging pages. On the CPU the
+        copies are done on return.
+        """
+        ids = self._check_ids(block_ids, "block_ids")
+        tokens = self._check_sequence(ids)
+        self._check_staging(ids)
+        if isinstance(width, bool) or not isinstance(width, int) or width < len(ids):
+            raise ValueError(f"width must be an int >= the {len(ids)} blocks, got {width!r}")
+        pages, event = self._stage(ids)
+        table = self._tables.get(width)
+        if table is None:
+            table = self._tables[width] = _TableBuffer(width, self.device)
+        written = table.write(pages, tokens)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return written
 
     # --- helpers ------------------------------------------------------------------------
 
     def _new_block(self) -> int:
         i, self._next_id = self._next_id, self._next_id + 1
-        self._where[i] = (True, self._free.pop())
-        self._tokens[i] = 0
+        if i == len(self._alive):  # grow the bookkeeping by doubling
+            grow = max(16, i)
+            self._alive, self._resident, self._slot, self._tokens = (
+                np.concatenate([a, np.zeros(grow, a.dtype)])
+                for a in (self._alive, self._resident, self._slot, self._tokens))
+        self._alive[i], self._resident[i] = True, True
+        self._slot[i], self._tokens[i] = self._free.pop(), 0
         return i
 
-    def _check_ids(self, block_ids, name: str) -> list[int]:
-        """`block_ids` as a list of live, distinct ids, or a ValueError naming `name`."""
-        if not isinstance(block_ids, (list, tuple, range)):
+    def _check_ids(self, block_ids, name: str) -> np.ndarray:
+        """`block_ids` as int64 `[n]` of live, distinct ids, or a ValueError naming `name`.
+        A list, tuple or range of ints, or a 1-D integer numpy array."""
+        if isinstance(block_ids, np.ndarray):
+            if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+                raise ValueError(f"{name}: a numpy array of block ids must be 1-D integers, "
+                                 f"got {block_ids.dtype} {block_ids.shape}")
+            ids = block_ids.astype(np.int64, copy=False)
+        elif isinstance(block_ids, (list, tuple, range)):
+            if not _INT_TYPES.issuperset(map(type, block_ids)):
+                bad = next(i for i in block_ids if type(i) not in _INT_TYPES)
+                raise ValueError(f"{name}: block ids are ints, got {bad!r}")
+            ids = np.fromiter(block_ids, np.int64, len(block_ids))
+        else:
             raise ValueError(f"{name} must be a list of block ids, got {block_ids!r}")
-        ids = list(block_ids)
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int):
-                raise ValueError(f"{name}: block ids are ints, got {i!r}")
-            if i not in self._where:
-                state = "was freed" if 0 <= i < self._next_id else "is unknown"
-                raise ValueError(f"{name}: block {i} {state}")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"{name}: repeated block ids in {ids}")
+        known = (ids >= 0) & (ids < self._next_id)
+        live = known.copy()
+        live[known] = self._alive[ids[known]]
+        if not live.all():
+            i = int(ids[np.argmin(live)])
+            state = "was freed" if 0 <= i < self._next_id else "is unknown"
+            raise ValueError(f"{name}: block {i} {state}")
+        ordered = np.sort(ids)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise ValueError(f"{name}: repeated block ids in {ids.tolist()}")
         return ids
 
-    def _check_full(self, ids: list[int]) -> None:
-        for i in ids[:-1]:
-            if self._tokens[i] != self.block_size:
-                raise ValueError(f"block_ids: block {i} holds {self._tokens[i]} of "
-                                 f"{self.block_size} tokens but is not the last block")
+    def _check_full(self, ids: np.ndarray) -> None:
+        partial = self._tokens[ids[:-1]] != self.block_size
+        if partial.any():
+            i = int(ids[:-1][np.argmax(partial)])
+            raise ValueError(f"block_ids: block {i} holds {self._tokens[i]} of "
+                             f"{self.block_size} tokens but is not the last block")
 
-    def _require(self, ids: list[int], resident: bool, name: str) -> None:
-        for i in ids:
-            if self._where[i][0] != resident:
-                state = "offloaded" if resident else "resident"
-                raise ValueError(f"{name}: block {i} is {state}")
+    def _check_sequence(self, ids: np.ndarray) -> int:
+        """The tokens of the sequence `ids` (checked: non-empty, full but the last block,
+        which holds at least one)."""
+        if not len(ids):
+            raise ValueError("block_ids: a sequence holds at least one block")
+        self._check_full(ids)
+        last = int(self._tokens[ids[-1]])
+        if not last:
+            raise ValueError(f"block_ids: the last block {ids[-1]} is empty")
+        return (len(ids) - 1) * self.block_size + last
+
+    def _check_staging(self, ids: np.ndarray) -> None:
+        offloaded = int(len(ids) - self._resident[ids].sum())
+        if offloaded > self.staging_slots:
+            raise ValueError(f"block_ids: {offloaded} offloaded blocks but only "
+                             f"{self.staging_slots} staging slots: load some blocks first, "
+                             f"or build the cache with staging_slots >= {offloaded}")
+
+    def _stage(self, ids: np.ndarray) -> tuple[np.ndarray, torch.cuda.Event | None]:
+        """The pages of `ids` (checked by `_check_staging`) with offloaded blocks copied
+        into the staging pages: on the side stream and an event after the copies on CUDA,
+        done on return and None on the CPU."""
+        pages = self._slot[ids].copy()
+        offloaded = np.flatnonzero(~self._resident[ids])
+        staging = range(self.num_blocks, self.num_blocks + len(offloaded))
+        if self._stream is None:
+            for j, page in zip(offloaded.tolist(), staging):
+                self.keys[page].copy_(self.cpu_keys[pages[j]])
+                pages[j] = page
+            return pages, None
+        if not len(offloaded):
+            return pages, None
+        with torch.cuda.stream(self._stream):
+            for j, page in zip(offloaded.tolist(), staging):
+                self.keys[page].copy_(self.cpu_keys[pages[j]], non_blocking=True)
+                pages[j] = page
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return pages, event
+
+    def _require(self, ids: np.ndarray, resident: bool, name: str) -> None:
+        wrong = self._resident[ids] != resident
+        if wrong.any():
+            state = "offloaded" if resident else "resident"
+            raise ValueError(f"{name}: block {ids[np.argmax(wrong)]} is {state}")
 
     def _check_tokens_tensor(self, name: str, x) -> None:
         if not isinstance(x, torch.Tensor):

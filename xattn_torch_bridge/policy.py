@@ -1,109 +1,263 @@
-"""XAttention's block selection for chunked prefill over a `PagedKVCache` (docs/estimate.md
+"""XAttention's block selection for chunked prefill over a `PagedKVCache` (ESTIMATE.md
 section 5), computed by `xattn_jax` on the cache's own pages through the zero-copy bridge.
 
-For one chunk of queries, `XAttentionPolicy.select_blocks` scores the sequence's cached
-blocks with `xattn_jax.kv_block_scores`, reading `cache.keys` in place through a block
-table of device pages, and picks blocks with `xattn_jax.select_kv_blocks`.
+Pages and selection units. The cache's pages (`block_size` tokens: 16 in vLLM, 4096 in
+the seed engine) are what it allocates and offloads; the selection unit is the group of
+tokens the engine loads or skips together: one page, or several consecutive pages of a
+sequence. The policy scores and selects units; `select_blocks` returns the ids of every
+page of the chosen units. The unit must be a multiple of the page size and of the
+estimate's block size; by default it is their least common multiple, so any page size
+works with the default estimate block of 1024 tokens (pages of 16 to 1024 tokens: units
+of 1024; pages of 4096: units of one page). The kernel reads the pages token by token
+through the block table, whatever their size.
 
-Offloaded blocks: their keys are copied into the cache's staging pages first
-(`PagedKVCache.stage_keys`: a side stream and an event on CUDA, a plain copy on the CPU)
-and the estimate reads them there. The softmax normalizes over all the context's keys,
-so the estimate is one pass over the whole context: it waits for every staging copy, and
-a context may hold at most `cache.staging_slots` offloaded blocks (more is a ValueError;
-load some blocks first). The copies overlap the work queued on torch's current stream
-before the call, not the estimate itself.
+One call of `XAttentionPolicy.select_blocks`:
+1. host checks (q against the cache; the block ids, vectorized in the cache);
+2. `PagedKVCache.block_table`: the staging copies of offloaded keys are issued first, on
+   the cache's side stream; the block table (pages, padding and the token count) is
+   written into the cache's persistent pinned buffer and copied asynchronously into its
+   persistent device buffer on torch's current stream, which then waits for the staging
+   copies;
+3. one jitted JAX computation (`_selection`): `xattn_jax.kv_block_scores` on the pages
+   through the table, `xattn_jax.select_kv_blocks`, and the union over heads to one bool
+   per unit, compiled once per power of two of units (and per chunk shape): the token
+   count is data, read from the table on the device;
+4. exactly one device-to-host read: the units' bools, from which the ids are built.
+Nothing else crosses between host and device, and nothing waits for the device but the
+read in step 4.
 
-Compilation: the block table is padded to a power of two of pages, at least the
-context's blocks and the chunk's length (the padding pages repeat the first block and
-are masked by the key count, which is data), so a growing context compiles once per
-power of two, not once per block.
+What overlaps. The staging copies overlap the host work of steps 2-3 (the table, the
+dispatch) and whatever torch's current stream was running before the call. The scoring
+cannot start before every staged key is there: the softmax of each query row normalizes
+over all the context's keys, so the estimate is one pass over the whole context and
+waits for the copies (their PCIe time is on the critical path, once). A context may hold
+at most `cache.staging_slots` offloaded pages (more is a ValueError; load some first).
+
+torch.compile. `XAttentionPolicy.scores` and `XAttentionPolicy.selection` are the
+scoring and the selection as torch custom ops (`torch.ops.xattn.policy_scores`,
+`torch.ops.xattn.policy_selection`, with fake implementations) inside a compiled region:
+a compiled model takes the table from `XAttentionPolicy.block_table` (host work, outside
+the compiled region) and turns the units' bools into ids with `chosen_blocks` outside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
+import math
+
+import jax
 import numpy as np
 import torch
 import xattn_jax
-from xattn_jax.checks import (check_choice, check_estimate_block_size, check_flag, check_norm,
-                              check_share)
-from xattn_jax.impls import IMPLS
+from xattn_jax import impls
+from xattn_jax.checks import (check_choice, check_estimate_block_size, check_flag, check_int,
+                              check_norm, check_share)
+from xattn_jax.geometry import next_pow2
 from xattn_jax.kv_blocks import RULES
 
-from xattn_torch_bridge.dlpack import place_of, views_for_one_computation
+from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
 from xattn_torch_bridge.kv_cache import PagedKVCache
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """Static settings of the scoring (hashable: a jit static argument). unit: tokens per
+    selection unit; vote: per-query-block scores (the "vote" rule)."""
+
+    unit: int
+    estimate_block_size: int
+    stride: int
+    norm: float
+    vote: bool
+    impl: impls.Implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Static settings of the selection. kv_heads: select per KV head (the cache's Hkv of
+    them) and take the union; 0: once for all heads."""
+
+    unit: int
+    threshold: float
+    keep_first: bool
+    keep_last: bool
+    kv_heads: int
+    rule: str
+
+
+def _unit_scores(q, pages, table, scoring: Scoring):
+    """q `[1, Hq, Lq, D]`, pages `[P, page, Hkv, D]`, table int32 `[width + 1]` ->
+    float32 `[1, Hq, units]` (or `[1, Hq, R, units]` with vote)."""
+    width = table.shape[0] - 1
+    return xattn_jax.kv_block_scores(
+        q, pages, block_table=table[None, :width], k_len=table[width],
+        kv_block_size=scoring.unit, estimate_block_size=scoring.estimate_block_size,
+        stride=scoring.stride, norm=scoring.norm, per_query_block=scoring.vote,
+        impl=scoring.impl)
+
+
+def _unit_mask(scores, table, choice: Choice):
+    """The units chosen from `_unit_scores`: bool `[units]` (the union over KV heads)."""
+    units = (table[-1] + choice.unit - 1) // choice.unit  # units holding keys
+    mask = xattn_jax.select_kv_blocks(
+        scores, threshold=choice.threshold, keep_first=choice.keep_first,
+        keep_last=choice.keep_last, per_kv_head=bool(choice.kv_heads),
+        kv_heads=choice.kv_heads or None, num_valid=units, rule=choice.rule)
+    return mask.reshape(-1, mask.shape[-1]).any(axis=0)
+
+
+_scores = jax.jit(_unit_scores, static_argnames="scoring")
+_mask = jax.jit(_unit_mask, static_argnames="choice")
+
+
+@functools.partial(jax.jit, static_argnames=("scoring", "choice"))
+def _selection(q, pages, table, scoring: Scoring, choice: Choice):
+    """Scores and selection in one computation: bool `[units]`."""
+    return _unit_mask(_unit_scores(q, pages, table, scoring), table, choice)
+
+
 class XAttentionPolicy:
-    """Chooses the KV-cache blocks a prefill chunk attends to.
+    """Chooses the KV-cache pages a prefill chunk attends to.
 
     Args:
       threshold: share of the chunk's attention mass to keep, in (0, 1].
       stride: the estimate's antidiagonal stride.
-      estimate_block_size: block size of the estimate's block sums; a multiple of stride
-        that divides the cache's block_size.
+      estimate_block_size: block size of the estimate's block sums; a multiple of stride.
+      selection_unit: tokens selected or skipped together, a multiple of the cache's page
+        size and of estimate_block_size; None: their least common multiple.
       rule: "score" (average over heads, then threshold) or "vote" (the engine's earlier
-        majority vote of query heads and query blocks); see `xattn_jax.select_kv_blocks`.
-      keep_first / keep_last: always select the first block (attention sink) and the last
-        block (most recent context).
-      per_kv_head: select per KV head and return the union (a block is loaded whole).
+        majority vote of query heads and query blocks of one unit); see
+        `xattn_jax.select_kv_blocks`.
+      keep_first / keep_last: always select the first unit (attention sink) and the last
+        unit (most recent context).
+      per_kv_head: select per KV head and return the union (a page is loaded whole).
       norm, impl: as in `xattn_jax.kv_block_scores` (impl resolved for the device the
         cache lives on: `xattn_jax.impls`).
     """
 
     def __init__(self, threshold: float = 0.95, stride: int = 8,
-                 estimate_block_size: int = 1024, *, rule: str = "score",
-                 keep_first: bool = True, keep_last: bool = True, per_kv_head: bool = False,
-                 norm: float = 1.0, impl: str = "auto"):
+                 estimate_block_size: int = 1024, *, selection_unit: int | None = None,
+                 rule: str = "score", keep_first: bool = True, keep_last: bool = True,
+                 per_kv_head: bool = False, norm: float = 1.0, impl: str = "auto"):
         self.threshold = check_share("threshold", threshold)
         self.estimate_block_size = check_estimate_block_size(estimate_block_size, stride)
         self.stride = int(stride)
+        if selection_unit is not None:
+            check_int("selection_unit", selection_unit)
+            if selection_unit % estimate_block_size:
+                raise ValueError(f"selection_unit ({selection_unit}) must be a multiple of "
+                                 f"estimate_block_size ({estimate_block_size})")
+        self.selection_unit = selection_unit
         self.rule = check_choice("rule", rule, RULES)
         self.keep_first = check_flag("keep_first", keep_first)
         self.keep_last = check_flag("keep_last", keep_last)
         self.per_kv_head = check_flag("per_kv_head", per_kv_head)
-        self.norm, self.impl = check_norm(norm), check_choice("impl", impl, IMPLS)
+        self.norm, self.impl = check_norm(norm), check_choice("impl", impl, impls.IMPLS)
+        self._cached: dict[tuple, tuple[Scoring, Choice]] = {}
 
-    def select_blocks(self, q: torch.Tensor, cache: PagedKVCache, block_ids) -> list[int]:
-        """The ids of the blocks in `block_ids` that the chunk `q` attends to.
+    # --- the whole call -------------------------------------------------------------------
+
+    def select_blocks(self, q: torch.Tensor, cache: PagedKVCache, block_ids):
+        """The ids of the pages in `block_ids` that the chunk `q` attends to.
 
         q: the chunk's queries `[Hq, Lq, D]` or `[1, Hq, Lq, D]`, all after the cached
           context; the cache's dtype and device, Hq a multiple of the cache's Hkv,
           contiguous and aligned (the rules of `to_jax`); any length.
-        block_ids: the sequence's cached blocks in order (the chunk excluded), all full
-          but the last, which holds at least one token.
-        Returns the selected ids in context order. Blocks must not change during the
-        call; it returns after the estimate has finished (the selection is read to the
-        host), so the staging pages are free again.
+        block_ids: the sequence's cached pages in order (the chunk excluded), all full
+          but the last, which holds at least one token: a list of ids or a 1-D integer
+          numpy array.
+        Returns the selected ids in context order, every page of each selected unit: a
+        list, or a numpy array for numpy `block_ids` (no Python int per page: the faster
+        form for thousands of small pages).
+        Blocks must not change during the call; it returns after the estimate has
+        finished (the selection is read to the host), so the staging pages and the block
+        table are free again.
         """
+        q, place, table = self._prepare(q, cache, block_ids)
+        scoring, choice = self._settings(cache)
+        views = views_for_one_computation(place, q, persistent=(cache.keys, table))
+        units = _selection(*views, scoring=scoring, choice=choice)
+        return self.chosen_blocks(jax.device_get(units), cache, block_ids)  # the one read
+
+    # --- the steps, for torch.compile -----------------------------------------------------
+
+    def block_table(self, q: torch.Tensor, cache: PagedKVCache, block_ids) -> torch.Tensor:
+        """Host work of a selection (checks, staging, the table): the cache's block table
+        for the chunk q (`PagedKVCache.block_table`, int32 `[width + 1]`), its width
+        covering the context and the chunk, a power of two of whole units."""
+        return self._prepare(q, cache, block_ids)[2]
+
+    def scores(self, q: torch.Tensor, cache: PagedKVCache, table: torch.Tensor) -> torch.Tensor:
+        """Each unit's share of the chunk's attention: float32 `[1, Hq, units]` (rule
+        "vote": `[1, Hq, R, units]`), on q's device; table from `block_table`. The custom
+        op `xattn::policy_scores` inside torch.compile."""
+        op = policy_scores_op if torch.compiler.is_compiling() else policy_scores
+        return op(q, cache.keys, table, self._unit(cache.block_size),
+                  self.estimate_block_size, self.stride, float(self.norm),
+                  self.rule == "vote", self.impl)
+
+    def selection(self, scores: torch.Tensor, cache: PagedKVCache,
+                  table: torch.Tensor) -> torch.Tensor:
+        """The chosen units from `scores`: bool `[units]` on the scores' device. The custom
+        op `xattn::policy_selection` inside torch.compile."""
+        op = policy_selection_op if torch.compiler.is_compiling() else policy_selection
+        return op(scores, table, self._unit(cache.block_size), float(self.threshold),
+                  bool(self.keep_first), bool(self.keep_last),
+                  cache.kv_heads if self.per_kv_head else 0, self.rule)
+
+    def chosen_blocks(self, units, cache: PagedKVCache, block_ids):
+        """The ids of `block_ids` in the chosen units (bool `[units]`: numpy, or a torch
+        tensor, read to the host): a list, or a numpy array for a numpy `block_ids`."""
+        if isinstance(units, torch.Tensor):
+            units = units.cpu().numpy()
+        per_unit = self._unit(cache.block_size) // cache.block_size
+        chosen = np.repeat(units, per_unit)[:len(block_ids)]
+        if isinstance(block_ids, np.ndarray):
+            return block_ids[chosen]
+        return list(itertools.compress(block_ids, chosen.tolist()))
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _unit(self, page: int) -> int:
+        """Tokens per selection unit for pages of `page` tokens."""
+        if self.selection_unit is None:
+            return page * self.estimate_block_size // math.gcd(page, self.estimate_block_size)
+        return self.selection_unit
+
+    def _settings(self, cache: PagedKVCache) -> tuple[Scoring, Choice]:
+        """The static settings for `cache` (cached per page size, Hkv and device type)."""
+        key = (cache.block_size, cache.kv_heads, cache.device.type)
+        settings = self._cached.get(key)
+        if settings is None:
+            unit = self._unit(cache.block_size)
+            # resolved for the cache's device: inside the jitted call it has none yet
+            impl = impls.resolve(self.impl, device=place_of(cache.keys, "cache.keys",
+                                                            False)[1].jax_device)
+            settings = self._cached[key] = (
+                Scoring(unit, self.estimate_block_size, self.stride, float(self.norm),
+                        self.rule == "vote", impl),
+                Choice(unit, float(self.threshold), bool(self.keep_first),
+                       bool(self.keep_last), cache.kv_heads if self.per_kv_head else 0,
+                       self.rule))
+        return settings
+
+    def _prepare(self, q, cache, block_ids):
+        """q as `[1, Hq, Lq, D]` (checked), its Place, and the block table (checks and
+        staging)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         q, place = place_of(self._check_q(q, cache), "q", False)
-        if cache.block_size % self.estimate_block_size:
-            raise ValueError(f"estimate_block_size ({self.estimate_block_size}) must divide "
-                             f"the cache's block_size ({cache.block_size})")
-        k_len = cache.sequence_length(block_ids)
-        ids = list(block_ids)
-        pages, ready = cache.stage_keys(ids)
-        n = len(ids)  # the table's width also covers the chunk, which JAX requires
-        width = 1 << (max(n, -(-q.shape[2] // cache.block_size)) - 1).bit_length()
-        table = torch.tensor([pages + pages[:1] * (width - n)], dtype=torch.int32,
-                             device=cache.device)
-        if ready is not None:
-            torch.cuda.current_stream(cache.device).wait_event(ready)
-        keys, _ = place_of(cache.keys, "cache.keys", False)
-        table, _ = place_of(table, "block table", False)
-        q_view, keys_view, table_view = views_for_one_computation(place, q, keys, table)
-        scores = xattn_jax.kv_block_scores(
-            q_view, keys_view, block_table=table_view, k_len=k_len,
-            kv_block_size=cache.block_size, estimate_block_size=self.estimate_block_size,
-            stride=self.stride, norm=self.norm, per_query_block=self.rule == "vote",
-            impl=self.impl)
-        mask = xattn_jax.select_kv_blocks(
-            scores, threshold=self.threshold, keep_first=self.keep_first,
-            keep_last=self.keep_last, per_kv_head=self.per_kv_head, kv_heads=cache.kv_heads,
-            num_valid=n, rule=self.rule)
-        chosen = np.asarray(mask).reshape(-1, width).any(axis=0)[:n]
-        return [ids[j] for j in np.flatnonzero(chosen)]
+        unit = self._unit(cache.block_size)
+        if unit % cache.block_size:
+            raise ValueError(f"selection_unit ({unit}) must be a multiple of the cache's "
+                             f"block_size ({cache.block_size})")
+        per_unit = unit // cache.block_size
+        n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
+        # the table covers the context and the chunk (JAX requires Lq <= its capacity)
+        units = next_pow2(max(-(-n // per_unit), -(-q.shape[2] // unit)))
+        return q, place, cache.block_table(block_ids, units * per_unit)
 
     @staticmethod
     def _check_q(q, cache: PagedKVCache) -> torch.Tensor:
@@ -124,3 +278,54 @@ class XAttentionPolicy:
             raise ValueError(f"q must have the cache's dtype and device ({cache.dtype} on "
                              f"{cache.device}), got {q.dtype} on {q.device}")
         return q.detach()
+
+
+# --- torch custom ops -------------------------------------------------------------------
+
+def policy_scores(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, unit: int,
+                  estimate_block_size: int, stride: int, norm: float, vote: bool,
+                  impl: str) -> torch.Tensor:
+    """`_unit_scores` on torch tensors: q `[Hq, Lq, D]` or `[1, Hq, Lq, D]`, pages the
+    cache's keys, table from `PagedKVCache.block_table`; all on one device."""
+    q = q[None] if q.ndim == 3 else q
+    q, place = place_of(q, "q", False)
+    for name, x in (("pages", pages), ("table", table)):
+        if place_of(x, name, False)[1] is not place:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
+    scoring = Scoring(unit, estimate_block_size, stride, norm, vote,
+                      impls.resolve(impl, device=place.jax_device))
+    return to_torch(_scores(*views_for_one_computation(place, q, pages, table),
+                            scoring=scoring))
+
+
+def policy_selection(scores: torch.Tensor, table: torch.Tensor, unit: int, threshold: float,
+                     keep_first: bool, keep_last: bool, kv_heads: int,
+                     rule: str) -> torch.Tensor:
+    """`_unit_mask` on torch tensors: the units chosen from `policy_scores`."""
+    scores, place = place_of(scores, "scores", False)
+    if place_of(table, "table", False)[1] is not place:
+        raise ValueError(f"table must be on the scores' device {scores.device}, got "
+                         f"{table.device}")
+    choice = Choice(unit, threshold, keep_first, keep_last, kv_heads, rule)
+    return to_torch(_mask(*views_for_one_computation(place, scores, table), choice=choice))
+
+
+policy_scores_op = torch.library.custom_op("xattn::policy_scores", policy_scores,
+                                           mutates_args=())
+policy_selection_op = torch.library.custom_op("xattn::policy_selection", policy_selection,
+                                              mutates_args=())
+
+
+@policy_scores_op.register_fake
+def _policy_scores_shape(q, pages, table, unit, estimate_block_size, stride, norm, vote,
+                         impl):
+    units = (table.shape[0] - 1) * pages.shape[1] // unit
+    heads, q_len = q.shape[-3], q.shape[-2]
+    shape = (1, heads, -(-q_len // unit), units) if vote else (1, heads, units)
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+@policy_selection_op.register_fake
+def _policy_selection_shape(scores, table, unit, threshold, keep_first, keep_last, kv_heads,
+                            rule):
+    return scores.new_empty(scores.shape[-1:], dtype=torch.bool)
