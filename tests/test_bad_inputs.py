@@ -283,7 +283,7 @@ def test_page_id_outside_the_cache_is_refused(ids, kind):
         _paged_scores(table)
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_traced_page_ids_are_clamped_into_the_cache(impl):
     """A traced table is not read: ids outside the cache read the last page or page 0, in
     the reference and in the kernels (k_len 20: the second page is read masked)."""
@@ -309,7 +309,7 @@ def test_integer_block_sums_are_refused():
         xattn_jax.select_blocks(jnp.ones((1, 2, 2, 2), jnp.int32), impl="reference")
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("length", [5, 20])
 def test_block_longer_than_the_sequence_is_one_block(impl, length):
     """A block of 128 (and a stride of 32) over 5 or 20 tokens: one block holding every

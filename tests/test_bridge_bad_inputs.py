@@ -135,8 +135,8 @@ def cache_and_ids():
     ("block_ids", lambda p, c, ids: p.select_blocks(torch.zeros(4, 32, D), c, [0, 99])),
     ("block_ids", lambda p, c, ids: p.select_blocks(torch.zeros(4, 32, D), c, [0, 0])),
     ("block_ids", lambda p, c, ids: p.select_blocks(torch.zeros(4, 32, D), c, ids[::-1])),
-    ("estimate_block_size", lambda p, c, ids: XAttentionPolicy(0.9, 8, 48).select_blocks(
-        torch.zeros(4, 32, D), c, ids)),
+    ("selection_unit", lambda p, c, ids: XAttentionPolicy(
+        0.9, 8, 32, selection_unit=96).select_blocks(torch.zeros(4, 32, D), c, ids)),
 ])
 def test_policy_select_blocks_refuses_and_keeps_the_cache(cache_and_ids, argument, call):
     cache, ids = cache_and_ids

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bridge_inputs import CASES, jax_of, qk  # noqa: E402
-from xattn_jax import api  # noqa: E402
+from xattn_jax import api, impls  # noqa: E402
 from xattn_torch_bridge import estimate  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
@@ -55,7 +55,8 @@ def test_compiled_once_per_shape(rand):
     shape = (1, 2, 1, 64, 128, 16)
     kwargs = dict(block_size=32, stride=8, causal=True, impl="reference")
     q, k = qk(rand, shape)
-    compiled = estimate._compiled(tuple(sorted(kwargs.items())))  # the bridge's jit
+    # the bridge's jit, for the implementation it resolves for CPU tensors
+    compiled = estimate.compiled_estimate(dict(kwargs, impl=impls.Implementation("reference")))
     before = compiled._cache_size()
     first = bridge.xattn_estimate(q, k, **kwargs)
     assert compiled._cache_size() == before + 1

@@ -198,7 +198,7 @@ def kv_chunk(rand, q_len: int):
 def test_kv_block_scores_agree_with_xattn_jax(k_len, rand):
     """xattn_jax.kv_block_scores (its JAX reference; test_kv_blocks.py checks the kernel
     against float64 numpy) on a buffer filled to k_len: the torch reference's scores, and
-    zeros past them."""
+    EMPTY_BLOCK for the blocks past them (they hold no key)."""
     q, k, q_jax, k_jax = kv_chunk(rand, 160)
     got = np.asarray(xattn_jax.kv_block_scores(q_jax, k_jax, kv_block_size=256,
                                                estimate_block_size=64, stride=8,
@@ -207,7 +207,7 @@ def test_kv_block_scores_agree_with_xattn_jax(k_len, rand):
     n = want.shape[-1]
     np.testing.assert_allclose(got[..., :n], want, rtol=1e-5, atol=1e-5 * want.max(),
                                err_msg=str(rand))
-    assert np.all(got[..., n:] == 0), str(rand)
+    assert np.all(got[..., n:] == xattn_jax.kv_blocks.EMPTY_BLOCK), str(rand)
 
 
 @pytest.mark.parametrize("rule", ["score", "vote"])

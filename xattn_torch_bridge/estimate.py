@@ -42,14 +42,23 @@ def _detached(x):
     return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
 
 
+def compiled_estimate(options: dict) -> jax.stages.Wrapped:
+    """`xattn_jax.xattn_estimate(q, k, threshold=t, **options)`, jitted over (q, k, t), one
+    per set of options. The options' types are part of the key: 16.0 and 16, or 1 and
+    True, are different calls (the first of each is refused by the estimate's checks,
+    which run when the function is traced)."""
+    return _compiled(tuple(sorted((name, type(value), value)
+                                  for name, value in options.items())))
+
+
 @functools.lru_cache(maxsize=256)
 def _compiled(options: tuple) -> jax.stages.Wrapped:
-    """`xattn_jax.xattn_estimate(q, k, threshold=t, **dict(options))`, jitted (q, k, t)."""
     return jax.jit(functools.partial(_estimate_with, options=options))
 
 
 def _estimate_with(q, k, threshold, *, options: tuple):
-    return xattn_jax.xattn_estimate(q, k, threshold=threshold, **dict(options))
+    return xattn_jax.xattn_estimate(q, k, threshold=threshold,
+                                    **{name: value for name, _, value in options})
 
 
 def k_view(k: torch.Tensor, place, copy: bool) -> jax.Array:
@@ -97,7 +106,7 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
     # resolved here, for the device q lives on: inside the jitted call it has none yet
     kwargs["impl"] = impls.resolve(kwargs.get("impl", "auto"), device=place.jax_device)
     views = views_for_one_computation(place, q) + (k_view(k, place, copy),)
-    sums, mask = _compiled(tuple(sorted(kwargs.items())))(*views, threshold)
+    sums, mask = compiled_estimate(kwargs)(*views, threshold)
     return to_torch(sums), to_torch(mask)
 
 
