@@ -211,15 +211,17 @@ def _pages(k, page_size, seed=1):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("impl,mesh_name", [("reference", "heads4"),
-                                            ("reference", "batch2-heads2"),
-                                            ("triton", "heads4")])
-def test_kv_block_scores_partition(partitioner, paged, impl, mesh_name):
+@pytest.mark.parametrize("impl,mesh_name,kv_heads", [("reference", "heads4", 4),
+                                                     ("reference", "batch2-heads2", 4),
+                                                     ("reference", "heads4", 2),
+                                                     ("triton", "heads4", 4)])
+def test_kv_block_scores_partition(partitioner, paged, impl, mesh_name, kv_heads):
     """Head-sharded q with k, or with a page pool sharded over its KV-head axis 2 and the
-    block table sharded like the batch: no collective, the pages stay where they are."""
+    block table sharded like the batch: no collective, the pages stay where they are.
+    With 2 KV heads on 4 head shards, k or the pool arrives whole (heads inside a group)."""
     mesh, spec = _mesh(mesh_name)
     batch_axis, heads_axis = (tuple(spec) + (None,))[:2]
-    q, k, _ = _inputs(2, 8, 4, q_len=32, k_len=128)
+    q, k, _ = _inputs(2, 8, kv_heads, q_len=32, k_len=128)
     k_len = jnp.int32(100)
 
     def fn(q, k, k_len, table):
@@ -238,7 +240,7 @@ def test_kv_block_scores_partition(partitioner, paged, impl, mesh_name):
     out = jax.jit(fn)(*args)
     assert _lead_spec(out) == (batch_axis, heads_axis)
     _check_shards(out, fn(q, keys, k_len, table),
-                  lambda b, h: fn(q[b, h], k[b, _kv_slice(h, 8, 4)], k_len, None),
+                  lambda b, h: fn(q[b, h], k[b, _kv_slice(h, 8, kv_heads)], k_len, None),
                   rtol=1e-5)
 
 
