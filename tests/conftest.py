@@ -21,6 +21,11 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # 4 CPU devices for tests/test_partitioning.py (other tests use the first device);
+    # read when JAX starts its backends, so it must be set before any test touches JAX
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

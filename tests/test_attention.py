@@ -15,7 +15,7 @@ import pytest
 import np_attention as npa
 import xattn_jax
 from xattn_jax import attention as attn
-from xattn_jax import reference
+from xattn_jax import partitioning, reference
 from xattn_jax.reference.attention import block_sparse_attention as reference_attention
 
 F32_TOL = dict(rtol=2e-5, atol=2e-5)  # outputs are averages of N(0, 1) values
@@ -279,7 +279,7 @@ def test_k_len_hides_later_keys_without_recompiling(rand):
     b, hq, hkv, lq, capacity, d, bs = 1, 2, 1, 12, 64, 8, 16
     q, k, v = qkv(rand, b, hq, hkv, lq, capacity, d)
     mask = mask_for(rand, b, hq, lq, capacity, bs, empty_rows=0.0)
-    before = attn._attention._cache_size()
+    before = partitioning._run._cache_size()
     for n in (40, 57, 12):
         garbage = jnp.arange(capacity) >= n
         k_pad = jnp.where(garbage[:, None], jnp.nan, k)
@@ -290,7 +290,7 @@ def test_k_len_hides_later_keys_without_recompiling(rand):
                 k_len=jnp.int32(n))
             assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal,
                                  rand=rand, n_keys=n)
-    assert attn._attention._cache_size() - before == 2  # one per causal value
+    assert partitioning._run._cache_size() - before == 2  # one per causal value
     out_int = attend(q, k, v, mask, block_size=bs, k_len=40)
     out_arr = attend(q, k, v, mask, block_size=bs,
                      k_len=jnp.int32(40))
@@ -335,13 +335,13 @@ def test_xattention_threshold_is_data(rand):
     q, k, v = qkv(rand, 1, 2, 2, 64, 64, 8)
     kwargs = dict(block_size=16, stride=4, return_mask=True)
     xattend(q, k, v, threshold=0.9, **kwargs)
-    compiled = attn._xattention._cache_size()
+    compiled = partitioning._run._cache_size()
     masks = [np.asarray(xattend(q, k, v, threshold=t, **kwargs)[1])
              for t in (0.3, 0.6, 0.99)]
-    assert attn._xattention._cache_size() == compiled
+    assert partitioning._run._cache_size() == compiled
     assert masks[0].sum() < masks[2].sum(), "thresholds must change the mask"
     per_head = xattend(q, k, v, threshold=jnp.asarray([0.3, 0.99]), **kwargs)
-    assert attn._xattention._cache_size() == compiled
+    assert partitioning._run._cache_size() == compiled
     np.testing.assert_array_equal(np.asarray(per_head[1])[:, 0], masks[0][:, 0])
 
 

@@ -28,6 +28,10 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.bool]
 
 needs_cuda = pytest.mark.skipif(not xattn_torch_bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+# the stream-order tests run on the current device and on the second GPU, while device 0
+# stays torch's current device
+CUDA_DEVICES = ["cuda", pytest.param("cuda:1", marks=two_gpus)]
 
 
 def sample(dtype: torch.dtype, shape=(3, 5, 64), device="cpu") -> torch.Tensor:
@@ -200,15 +204,18 @@ class LateWrite:
     fill, the hand-off and the dispatch (a host that waited for the GPU would take the
     whole sleep)."""
 
-    def __init__(self, value: float, side: bool = True):
+    def __init__(self, value: float, device: str, side: bool = True):
+        self.device = torch.device(device)
         double = jax.jit(lambda x: 2 * x + 1)
-        self.x = torch.zeros(1 << 20, device="cuda")
+        self.x = torch.zeros(1 << 20, device=self.device)
         jax.block_until_ready(double(to_jax(self.x)))  # compiled, devices set up
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         self.expected = 2 * value + 1
         self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         host = time.perf_counter()
-        with torch.cuda.stream(torch.cuda.Stream() if side else None):
+        stream = torch.cuda.Stream(self.device) if side else \
+            torch.cuda.default_stream(self.device)
+        with torch.cuda.stream(stream):  # current, and its device too
             self._start.record()
             torch.cuda._sleep(1 << 29)  # cycles: about 0.25 s at 2 GHz
             self._end.record()
@@ -217,7 +224,7 @@ class LateWrite:
         self.host_s = time.perf_counter() - host
 
     def sleep_s(self) -> float:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         return self._start.elapsed_time(self._end) / 1e3
 
 
@@ -261,7 +268,7 @@ class TestCuda:
         assert a.unsafe_buffer_pointer() == t.data_ptr()
         assert to_torch(a).device.type == "cpu"
 
-    @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+    @two_gpus
     def test_second_gpu_is_placed_on_its_jax_device(self):
         t = sample(torch.float32, device="cuda:1")
         a = to_jax(t)
@@ -269,13 +276,27 @@ class TestCuda:
         assert device.local_hardware_id == 1 and a.unsafe_buffer_pointer() == t.data_ptr()
         assert to_torch(a + 1).device == torch.device("cuda", 1)
 
+    @two_gpus
+    def test_estimate_on_the_second_gpu_stays_there(self):
+        """The bridged estimate of tensors on cuda:1 runs on JAX's device 1 and returns
+        tensors there, equal to the same call on cuda:0 (torch's current device)."""
+        gen = torch.Generator("cuda:0").manual_seed(0)
+        q, k = (torch.randn(1, heads, 512, 64, generator=gen, device="cuda:0",
+                            dtype=torch.bfloat16) for heads in (4, 2))
+        on_0 = xattn_torch_bridge.xattn_estimate(q, k, block_size=64)
+        on_1 = xattn_torch_bridge.xattn_estimate(q.to("cuda:1"), k.to("cuda:1"), block_size=64)
+        for a, b in zip(on_0, on_1):
+            assert b.device == torch.device("cuda", 1)
+            assert torch.equal(a.cpu(), b.cpu())
+
+    @pytest.mark.parametrize("device", CUDA_DEVICES)
     @pytest.mark.parametrize("ordered", [True, False])
-    def test_torch_writes_before_jax_reads(self, ordered, monkeypatch):
+    def test_torch_writes_before_jax_reads(self, ordered, device, monkeypatch):
         """JAX must read the late write. Without the ordering step it reads the old zeros,
         which shows the test can fail."""
         if not ordered:
             monkeypatch.setattr(dlpack, "jax_waits_for_torch", lambda place: None)
-        late = LateWrite(3.0 if ordered else 5.0)
+        late = LateWrite(3.0 if ordered else 5.0, device)
         result = np.asarray(late.y)
         if ordered:
             assert np.all(result == late.expected)
@@ -283,16 +304,17 @@ class TestCuda:
         else:
             assert not np.all(result == late.expected)
 
+    @pytest.mark.parametrize("device", CUDA_DEVICES)
     @pytest.mark.parametrize("side", [True, False], ids=["side-stream", "default-stream"])
     @pytest.mark.parametrize("ordered", [True, False])
-    def test_interface_import_orders_torch_writes(self, ordered, side, monkeypatch):
+    def test_interface_import_orders_torch_writes(self, ordered, side, device, monkeypatch):
         """The same with the CUDA array interface import: its `stream` field (torch's
         stream, or JAX's waiting one on the legacy default stream) orders the read.
         Naming no stream instead reads the old zeros."""
         monkeypatch.setattr(dlpack, "_import", "cuda_array_interface")
         if not ordered:
             monkeypatch.setattr(dlpack, "producer_stream", lambda place: dlpack._NO_STREAM)
-        late = LateWrite(13.0 if ordered else 17.0, side=side)
+        late = LateWrite(13.0 if ordered else 17.0, device, side=side)
         result = np.asarray(late.y)
         if ordered:
             assert np.all(result == late.expected)
@@ -308,15 +330,16 @@ class TestCuda:
             assert a.unsafe_buffer_pointer() == t.data_ptr() and same_values(t, a)
             assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
 
+    @pytest.mark.parametrize("device", CUDA_DEVICES)
     @pytest.mark.parametrize("ordered", [True, False])
-    def test_jax_result_complete_before_torch_reads(self, ordered, monkeypatch):
+    def test_jax_result_complete_before_torch_reads(self, ordered, device, monkeypatch):
         """torch reads JAX's result of the late write on another stream. Without waiting
         for JAX (the wait put on an unrelated stream) it reads unwritten memory."""
-        unrelated = torch.cuda.Stream()
+        unrelated = torch.cuda.Stream(device)
         if not ordered:
             monkeypatch.setattr(dlpack, "consumer_stream", lambda index: unrelated.cuda_stream)
-        late = LateWrite(7.0 if ordered else 11.0)
-        consumer = torch.cuda.Stream()
+        late = LateWrite(7.0 if ordered else 11.0, device)
+        consumer = torch.cuda.Stream(device)
         host = time.perf_counter()
         with torch.cuda.stream(consumer):
             seen = to_torch(late.y).clone()

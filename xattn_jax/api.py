@@ -1,6 +1,12 @@
 """Public entry points of the estimate (sections 1-4). Each checks its arguments and
 runs the implementation `impl` names (`xattn_jax.impls`: "auto", "reference", "triton"
-or "mosaic")."""
+or "mosaic").
+
+Several devices: under a caller's `jax.jit` over inputs sharded by batch and heads, each
+function runs on every device's own shard with no communication; heads shard in whole KV
+groups, or inside one group with k replicated; a sequence- or head-dim-sharded input is
+all-gathered first (`xattn_jax.partitioning` has the whole rule).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax import impls
+from xattn_jax import impls, partitioning
 from xattn_jax.checks import (check_block_sums, check_flag, check_norm, check_qk,
                               check_scratch_bytes, threshold_per_head)
 from xattn_jax.geometry import Geometry
 from xattn_jax.impls import Implementation
+
+QK_LAYOUTS = ("B H ...", "B K ...")  # q, k (`partitioning.on_shards`)
 
 
 def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float = 1.0,
@@ -26,7 +34,9 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
     is allowed: its one partly filled group reads zeros for the missing tokens.
     """
     geom = check_qk(q, k, stride=stride, block_size=stride, causal=False)
-    return impls.resolve(impl, q, k).strided_scores(q, k, geom=geom, norm=check_norm(norm))
+    run = partitioning.on_shards(impls.resolve(impl, q, k).strided_scores, QK_LAYOUTS,
+                                 geom=geom, norm=check_norm(norm))
+    return run(q, k)
 
 
 def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
@@ -41,10 +51,12 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
     """
     check_block_sums(block_sums)
     t = threshold_per_head(threshold, block_sums.shape[1])
-    return _select(block_sums, t, causal=check_flag("causal", causal),
-                   keep_sink=check_flag("keep_sink", keep_sink),
-                   keep_recent=check_flag("keep_recent", keep_recent),
-                   impl=impls.resolve(impl, block_sums))
+    run = partitioning.on_shards(_select, ("B H ...", "H"),
+                                 causal=check_flag("causal", causal),
+                                 keep_sink=check_flag("keep_sink", keep_sink),
+                                 keep_recent=check_flag("keep_recent", keep_recent),
+                                 impl=impls.resolve(impl, block_sums))
+    return run(block_sums, t)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent", "impl"))
@@ -114,9 +126,10 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     """
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     t = threshold_per_head(threshold, geom.q_heads)
-    return _estimate(q, k, t, geom=geom, causal=check_flag("causal", causal),
-                     norm=check_norm(norm),
-                     keep_sink=check_flag("keep_sink", keep_sink),
-                     keep_recent=check_flag("keep_recent", keep_recent),
-                     impl=impls.resolve(impl, q, k),
-                     max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
+    run = partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), geom=geom,
+                                 causal=check_flag("causal", causal), norm=check_norm(norm),
+                                 keep_sink=check_flag("keep_sink", keep_sink),
+                                 keep_recent=check_flag("keep_recent", keep_recent),
+                                 impl=impls.resolve(impl, q, k),
+                                 max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
+    return run(q, k, t)

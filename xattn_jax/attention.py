@@ -8,6 +8,9 @@ jitted call.
 lean, any GPU or the CPU); "mosaic" the Hopper kernel `xattn_jax.mosaic.attention`;
 "auto" the Mosaic kernel where it is installed and usable on the inputs' device, else the
 reference. There is no Triton-backend attention kernel.
+
+Several devices: both partition over batch and heads as `xattn_jax.api` says (a paged
+cache over its KV-head axis 2; `xattn_jax.partitioning`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xattn_jax import reference
+from xattn_jax import partitioning, reference
 from xattn_jax.api import xattn_estimate
 from xattn_jax.checks import cached_keys, check_norm, check_qk, threshold_per_head
 from xattn_jax.geometry import Geometry
@@ -205,9 +208,12 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
     attend = _attention_impl(impl, _platform(q), table is not None or key_count is not None)
-    return _attention(q, k, v, mask, key_count, table, attend=attend,
-                      block_size=geom.block_size, causal=bool(causal),
-                      scale=_check_scale(scale), return_lse=bool(return_lse))
+    kv = "B K ..." if table is None else ". . K ."
+    run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
+                                 attend=attend, block_size=geom.block_size,
+                                 causal=bool(causal), scale=_check_scale(scale),
+                                 return_lse=bool(return_lse))
+    return run(q, k, v, mask, key_count, table)
 
 
 @functools.partial(jax.jit, static_argnames=("attend", "estimate_impl", "block_size",
@@ -254,7 +260,9 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
     platform = _platform(q)
     attend = _attention_impl(impl, platform)
     estimate_impl = "reference" if impl == "reference" or platform != "gpu" else "auto"
-    return _xattention(q, k, v, t, attend=attend, estimate_impl=estimate_impl,
-                       block_size=geom.block_size, stride=geom.stride, causal=bool(causal),
-                       norm=check_norm(norm), scale=_check_scale(scale),
-                       return_mask=bool(return_mask))
+    run = partitioning.on_shards(
+        _xattention, ("B H ...", "B K ...", "B K ...", "H"), attend=attend,
+        estimate_impl=estimate_impl, block_size=geom.block_size, stride=geom.stride,
+        causal=bool(causal), norm=check_norm(norm), scale=_check_scale(scale),
+        return_mask=bool(return_mask))
+    return run(q, k, v, t)

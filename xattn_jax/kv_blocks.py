@@ -7,6 +7,12 @@ kernel is fast), summed over the chunk's query blocks and up to `kv_block_size`
 (hierarchical sums, equal to the direct computation). The number of cached keys `k_len`
 is data, so one compiled function serves every chunk of a growing context.
 `select_kv_blocks` picks the blocks to load from those scores.
+
+Several devices: `kv_block_scores` partitions as `xattn_jax.api` says (a paged cache
+shards over its KV-head axis 2, the block table like the batch, and no page moves);
+`select_kv_blocks` is plain XLA ops, which XLA partitions itself, with small all-reduces
+of `[B, n]` across head shards (the blocks holding no key in any head; over all heads,
+the heads' mean).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax import impls, reference
+from xattn_jax import impls, partitioning, reference
 from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_float_array,
                               check_kv_sizes, check_norm, check_qk, key_len, kv_groups,
                               scalar_threshold, valid_counts)
@@ -85,11 +91,13 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     check_kv_sizes(kv_block_size, estimate_block_size, stride)
     keys, table = cached_keys(q, k, block_table)
     geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
-    return _kv_scores(q, k, key_len(k_len, geom.k_len), table, geom=geom,
-                      norm=check_norm(norm),
-                      per_kv_block=kv_block_size // estimate_block_size,
-                      per_query_block=check_flag("per_query_block", per_query_block),
-                      impl=impls.resolve(impl, q, k))
+    layouts = ("B H ...", "B K ..." if table is None else ". . K .", "", "B ...")
+    run = partitioning.on_shards(
+        _kv_scores, layouts, geom=geom, norm=check_norm(norm),
+        per_kv_block=kv_block_size // estimate_block_size,
+        per_query_block=check_flag("per_query_block", per_query_block),
+        impl=impls.resolve(impl, q, k))
+    return run(q, k, key_len(k_len, geom.k_len), table)
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "groups", "keep_first", "keep_last",
