@@ -8,7 +8,9 @@ partitioners honour: Shardy (JAX's default) propagates shardings with `sharding_
 GSPMD with the callbacks, and both then partition with the same `partition` callback,
 which runs the core on each device's shard. On one device the core runs as it is; inside
 a caller's `shard_map`, on that shard_map's local arrays (mesh axes it leaves automatic
-are XLA's to partition: a Pallas call is gathered over them); under `jax.vmap`, batched
+are XLA's to partition: a Pallas call is gathered over them; the kernels type their
+outputs as varying over their inputs' manual axes, `kernel_output`, so `check_vma` may
+stay on, but for Pallas interpret mode, whose gathers JAX's check refuses there); under `jax.vmap`, batched
 and unpartitioned (sharded operands are then gathered). Meshes with `AxisType.Explicit`
 axes (sharding in types) are not supported.
 
@@ -240,3 +242,18 @@ def _plan(mesh, arg_shapes, *, names, sizes) -> _Split:
         if not inside:
             heads, n = (), 1
     return _Split(batch, shards(batch), heads, n, inside)
+
+
+def kernel_output(shape: tuple[int, ...], dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """The `out_shape` of a kernel call whose output varies over the manual mesh axes
+    its inputs vary over. Inside a caller's `jax.shard_map` (with `check_vma`, the
+    default) a Pallas call must say so; elsewhere the inputs vary over none and this is a
+    plain ShapeDtypeStruct."""
+    axis_types = [getattr(jax.typeof(x), "mat", None) for x in inputs if x is not None]
+    axis_types = [t for t in axis_types if t is not None and t.varying]
+    if not axis_types:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    varying = frozenset().union(*(t.varying for t in axis_types))
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=axis_types[0].update(varying=varying))
+

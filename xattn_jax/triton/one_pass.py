@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
 from xattn_jax.triton.common import COL_AXIS, LOG2_E, ROW_AXIS, head_spec, kernel_grid
+from xattn_jax.partitioning import kernel_output
 from xattn_jax.triton.plan import Plan
 from xattn_jax.triton.row_tile import RowTile, key_operands, row_tile_refs
 
@@ -219,7 +220,7 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
             grid=grid,
             in_specs=in_specs,
             out_specs=[head_spec(shape[2:]) for shape in shapes],
-            out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes],
+            out_shape=[kernel_output(shape, jnp.float32, q, k) for shape in shapes],
             compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                                  num_stages=plan.num_stages),
             interpret=plan.interpret,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xattn_jax.partitioning import kernel_output
 from xattn_jax.triton.plan import Plan
 
 _FLOAT_BITS = 31  # bisection steps: non-negative float32 bit patterns are < 2**31
@@ -99,7 +100,8 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: Plan, ca
         in_specs=[pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0)),
                   pl.BlockSpec((hq,), lambda i, h, r: (0,))],
         out_specs=pl.BlockSpec((None, None, rows, width), lambda i, h, r: (i, h, r, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hq, row_tiles * rows, width), jnp.int8),
+        out_shape=kernel_output((b, hq, row_tiles * rows, width), jnp.int8, block_sums,
+                                threshold),
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps),
         interpret=plan.interpret,
     )(block_sums, threshold)

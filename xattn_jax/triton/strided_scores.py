@@ -16,6 +16,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.triton.common import (COL_AXIS, ROW_AXIS, head_spec, kernel_grid,
                                      key_head_spec, load_tokens, score_tile)
+from xattn_jax.partitioning import kernel_output
 from xattn_jax.triton.plan import Plan
 
 
@@ -49,8 +50,8 @@ def strided_scores(q: jax.Array, k: jax.Array, *, plan: Plan, norm: float) -> ja
         grid=grid,
         in_specs=[head_spec((geom.q_len, geom.head_dim)), key_head_spec(geom)],
         out_specs=head_spec((geom.q_rows, geom.k_cols)),
-        out_shape=jax.ShapeDtypeStruct(
-            (geom.batch, geom.q_heads, geom.q_rows, geom.k_cols), jnp.float32),
+        out_shape=kernel_output((geom.batch, geom.q_heads, geom.q_rows, geom.k_cols),
+                                jnp.float32, q, k),
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                              num_stages=plan.num_stages),
         interpret=plan.interpret,

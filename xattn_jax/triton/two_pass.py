@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.triton.common import ROW_AXIS, head_spec, kernel_grid
 from xattn_jax.triton.row_tile import RowTile, key_operands, row_tile_refs
+from xattn_jax.partitioning import kernel_output
 from xattn_jax.triton.plan import Plan
 
 
@@ -94,7 +95,7 @@ def two_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
         grid=kernel_grid(plan, row_tiles),
         in_specs=in_specs,
         out_specs=head_spec(out_shape[2:]),
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        out_shape=kernel_output(out_shape, jnp.float32, q, k),
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                              num_stages=plan.num_stages),
         interpret=plan.interpret,
