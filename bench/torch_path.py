@@ -28,11 +28,10 @@ Rows:
   "pre-jitted"); target: pre-jitted + 0.04 ms;
 - `{plain,bridged}-estimate-causal-8k-host`: `xattn_estimate` (block 128, GQA 32:8,
   causal) host time per call issued back-to-back, plain JAX and bridged on torch tensors
-  (impl: the bridge's import, "dlpack" and "cuda_array_interface" on CUDA); target:
-  plain + 0.04 ms;
+  (impl "dlpack": the bridge's import); target: plain + 0.04 ms;
 - `{plain,bridged}-estimate-causal-32k`: device time per call (throughput), target
   within 3%;
-- `to-jax-{dlpack,cuda_array_interface}`: host time of `to_jax` of q (CUDA only).
+- `to-jax-dlpack`: host time of `to_jax` of q (CUDA only).
 
 `--smoke` checks that every row runs; its figures say nothing of the targets: on the CPU
 the reference computes, the PCIe rows copy host memory, and the bridged estimate's host
@@ -54,7 +53,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xattn_jax  # noqa: E402
-from xattn_torch_bridge import dlpack  # noqa: E402
 
 from bench.bridge_overhead import host_us  # noqa: E402
 from bench.chunked import FULL, SMALL, Sizes, floor_of, kernel_rows, tokens  # noqa: E402
@@ -271,10 +269,6 @@ def _back_to_back_ms(fn, run: Run, calls: int = 20, reps: int = 15) -> float:
     return statistics.median(times)
 
 
-def _imports(run: Run) -> tuple[str, ...]:
-    return dlpack.IMPORTS if run.device == "cuda" else ("dlpack",)
-
-
 def estimate_rows(run: Run) -> list[dict]:
     sz, rows = run.sizes, []
     est = dict(block_size=128, stride=sz.stride, threshold=0.9, causal=True)
@@ -300,32 +294,14 @@ def estimate_rows(run: Run) -> list[dict]:
         else:
             plain_ms = _row(rows, f"plain-estimate-{name}", "xattn-jax",
                             time_ms(lambda: plain(), [()], warmup=3, reps=20), floor)["ms"]
-        for method in _imports(run):
-            with _importing(method, rows, f"bridged-estimate-{name}"):
-                if what == "host":
-                    _row(rows, f"bridged-estimate-{name}-host", method,
-                         _back_to_back_ms(bridged, run), target=plain_ms + HOST_SLACK_MS)
-                else:
-                    _row(rows, f"bridged-estimate-{name}", method,
-                         time_ms(lambda: bridged(), [()], warmup=3, reps=20), floor,
-                         target=plain_ms * (1 + THROUGHPUT_SLACK))
+        if what == "host":
+            _row(rows, f"bridged-estimate-{name}-host", "dlpack",
+                 _back_to_back_ms(bridged, run), target=plain_ms + HOST_SLACK_MS)
+        else:
+            _row(rows, f"bridged-estimate-{name}", "dlpack",
+                 time_ms(lambda: bridged(), [()], warmup=3, reps=20), floor,
+                 target=plain_ms * (1 + THROUGHPUT_SLACK))
     return rows
-
-
-@contextlib.contextmanager
-def _importing(method: str, rows: list[dict], case: str):
-    """The bridge set to import with `method` for the block; a failure of the trial import
-    is logged and recorded (ms NaN, its error), not raised."""
-    dlpack.set_import(method)
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001  the trial may fail on a jaxlib
-        if method == "dlpack":
-            raise
-        log(f"{case} [{method}] failed: {error!r}")
-        _row(rows, case, method, float("nan"))["error"] = repr(error)
-    finally:
-        dlpack.set_import("dlpack")
 
 
 def handoff_rows(run: Run) -> list[dict]:
@@ -333,10 +309,8 @@ def handoff_rows(run: Run) -> list[dict]:
         return []
     sz, rows = run.sizes, []
     q, _ = _qk(sz.q_heads, sz.kv_heads, tokens("8k"), tokens("8k"), sz.head_dim, "cuda")
-    for method in dlpack.IMPORTS:
-        with _importing(method, rows, f"to-jax-{method}"):
-            _row(rows, f"to-jax-{method}", "xattn-jax",
-                 host_us(lambda: bridge.to_jax(q), torch.cuda.synchronize, 2000, 50)[0] / 1e3)
+    _row(rows, "to-jax-dlpack", "xattn-jax",
+         host_us(lambda: bridge.to_jax(q), torch.cuda.synchronize, 2000, 50)[0] / 1e3)
     return rows
 
 

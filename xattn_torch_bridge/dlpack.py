@@ -58,27 +58,16 @@ jax 0.10.2 to 0.11; `torch._C._from_dlpack` is in torch 2.11 and 2.13, and the e
 C++ methods were run with torch 2.11 (the CUDA build on the H200). Devices are looked up
 once per torch device (to_jax) and once per JAX sharding (to_torch).
 
-The CUDA array interface import (trial, off by default; `set_import("cuda_array_interface")`
-or XATTN_BRIDGE_IMPORT=cuda_array_interface). torch -> JAX on CUDA through jaxlib's
-`cuda_array_interface_to_buffer` instead of a DLPack capsule: a version-3 interface dict
-whose `stream` field names torch's current stream, on which jaxlib records the new
-array's definition event, so no event of ours is recorded or waited on. On CUDA's legacy
-default stream (pointer 0, which the protocol cannot name: jaxlib treats 1 and 2 as no
-stream) it falls back to our event step and names JAX's external-buffer stream. The
-unordered views of `views_for_one_computation` name stream 1 (no definition event). The
-CPU and `to_torch` are unchanged. Measured by bench/torch_path.py; kept as the default only
-if it wins on the GPU and the ordering tests pass with it.
+A CUDA array interface import was tried instead of DLPack (2026-11-30, H200, jax 0.11.2):
+`to_jax` took 25 us against 29 us, but jaxlib refused side streams; not kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 import torch.utils.dlpack
 import torch.utils.weak
@@ -90,11 +79,6 @@ CPU_ALIGN = 64  # bytes: JAX refuses to view less aligned host memory
 CUDA_ALIGN = 16  # bytes: XLA's alignment of kernel arguments
 _DL_CPU, _DL_CUDA = 1, 2  # DLPack device types
 _LEGACY_DEFAULT_STREAM = 1  # DLPack's name for CUDA's legacy default stream (pointer 0)
-_NO_STREAM = 1  # a CUDA array interface stream jaxlib ignores (no definition event)
-IMPORTS = ("dlpack", "cuda_array_interface")
-_CAI_DTYPES = {torch.bfloat16: jnp.dtype(jnp.bfloat16), torch.float16: np.dtype(np.float16),
-               torch.float32: np.dtype(np.float32), torch.int32: np.dtype(np.int32),
-               torch.bool: np.dtype(np.bool_)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,22 +101,7 @@ _places: dict[torch.device, Place] = {}
 _torch_indices: dict[jax.sharding.Sharding, int | None] = {}
 _UNKNOWN = object()
 _thread = threading.local()
-_import = os.environ.get("XATTN_BRIDGE_IMPORT", "dlpack")
 _persistent = torch.utils.weak.WeakIdKeyDictionary()  # tensor -> (key, view)
-
-
-def set_import(method: str) -> None:
-    """How CUDA tensors are imported into JAX: "dlpack" (the default) or
-    "cuda_array_interface" (the trial; see the module docstring)."""
-    global _import
-    if method not in IMPORTS:
-        raise ValueError(f"method must be one of {IMPORTS}, got {method!r}")
-    _import = method
-
-
-def import_method() -> str:
-    """The import set by `set_import` (or XATTN_BRIDGE_IMPORT)."""
-    return _import
 
 
 def cuda_available() -> bool:
@@ -252,34 +221,6 @@ def view_in_jax(tensor: torch.Tensor, place: Place, ordered: bool = True) -> jax
         place.jax_stream if ordered else None, False, place.dl_type)
 
 
-def producer_stream(place: Place) -> int:
-    """The stream a CUDA array interface import names for an ordered view: torch's current
-    stream, or, on CUDA's legacy default stream (which the protocol cannot name), JAX's
-    external-buffer stream made to wait for it (`jax_waits_for_torch`)."""
-    stream = torch._C._cuda_getCurrentRawStream(place.index)
-    if stream:
-        return stream
-    jax_waits_for_torch(place)
-    return place.jax_stream
-
-
-def view_by_interface(tensor: torch.Tensor, place: Place, stream: int) -> jax.Array:
-    """The JAX array over a CUDA `tensor` (checked by `place_of`) through jaxlib's CUDA
-    array interface import, its definition event recorded on `stream` (_NO_STREAM: none)."""
-    interface = {"data": (tensor.data_ptr(), False), "shape": tuple(tensor.shape),
-                 "typestr": _CAI_DTYPES[tensor.dtype], "version": 3, "stream": stream}
-    return _jax.cuda_array_interface_to_buffer(
-        cai=interface, gpu_backend=place.jax_device.client, device_id=place.index)
-
-
-def unordered_view(tensor: torch.Tensor, place: Place) -> jax.Array:
-    """A view with no definition event, by the import set with `set_import` (see
-    `view_in_jax` for when that is safe)."""
-    if place.index is not None and _import == "cuda_array_interface":
-        return view_by_interface(tensor, place, _NO_STREAM)
-    return view_in_jax(tensor, place, ordered=False)
-
-
 def views_for_one_computation(place: Place, *tensors: torch.Tensor,
                               persistent: tuple[torch.Tensor, ...] = ()
                               ) -> tuple[jax.Array, ...]:
@@ -292,12 +233,9 @@ def views_for_one_computation(place: Place, *tensors: torch.Tensor,
     unordered views are made once and reused while the tensor object lives with the same
     memory, shape and dtype (`persistent_view`), which is safe for the same reason."""
     first, *others = tensors
-    if place.index is not None and _import == "cuda_array_interface":
-        head = view_by_interface(first, place, producer_stream(place))
-    else:
-        jax_waits_for_torch(place)
-        head = view_in_jax(first, place)
-    return (head, *(unordered_view(tensor, place) for tensor in others),
+    jax_waits_for_torch(place)
+    return (view_in_jax(first, place),
+            *(view_in_jax(tensor, place, ordered=False) for tensor in others),
             *(persistent_view(tensor, place) for tensor in persistent))
 
 
@@ -307,10 +245,10 @@ def persistent_view(tensor: torch.Tensor, place: Place) -> jax.Array:
     (`detach()`): torch keeps alive the Python object of a tensor exported to DLPack, so
     a view of `tensor` itself would keep `tensor`, and its entry, forever. The view holds
     the memory only, and the entry goes when the tensor object does."""
-    key = (tensor.data_ptr(), tensor.shape, tensor.dtype, _import)
+    key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
     entry = _persistent.get(tensor)
     if entry is None or entry[0] != key:
-        entry = _persistent[tensor] = (key, unordered_view(tensor.detach(), place))
+        entry = _persistent[tensor] = (key, view_in_jax(tensor.detach(), place, ordered=False))
     return entry[1]
 
 

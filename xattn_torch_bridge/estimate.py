@@ -33,7 +33,7 @@ from xattn_jax import impls
 from xattn_jax.checks import check_flag, threshold_per_head
 
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, persistent_view, place_of, to_torch,
-                                       unordered_view, views_for_one_computation)
+                                       view_in_jax, views_for_one_computation)
 
 DEFAULT_THRESHOLD = 0.9  # xattn_jax.xattn_estimate's default
 
@@ -65,7 +65,7 @@ def k_view(k: torch.Tensor, place, copy: bool) -> jax.Array:
     """k's unordered view: reused while the same tensor object is passed again (a cache's
     keys: `dlpack.persistent_view`), fresh for a copy. The estimate's computation is
     ordered by q's view, so it sees every write queued on torch's stream before the call."""
-    return unordered_view(k, place) if copy else persistent_view(k, place)
+    return view_in_jax(k, place, ordered=False) if copy else persistent_view(k, place)
 
 
 def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
