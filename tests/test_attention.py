@@ -4,7 +4,6 @@ the implementation choice."""
 
 from __future__ import annotations
 
-import sys
 import types
 
 import jax
@@ -14,8 +13,7 @@ import pytest
 
 import np_attention as npa
 import xattn_jax
-from xattn_jax import attention as attn
-from xattn_jax import partitioning, reference
+from xattn_jax import impls, mosaic, partitioning
 from xattn_jax.reference.attention import block_sparse_attention as reference_attention
 
 F32_TOL = dict(rtol=2e-5, atol=2e-5)  # outputs are averages of N(0, 1) values
@@ -377,7 +375,7 @@ BAD = {  # name -> (argument index or keyword, value, words the error must conta
     "k-len-long": ("k_len", 41, "k_len must lie in [Lq, Lk]"),
     "k-len-float": ("k_len", jnp.float32(30), "k_len must be None, an int"),
     "impl-unknown": ("impl", "pallas", "impl must be one of"),
-    "impl-triton": ("impl", "triton", "no Triton-backend attention kernel"),
+    "impl-triton": ("impl", "triton", "has no block-sparse attention kernel"),
     "block-table-dtype": ("block_table", jnp.zeros((1, 5), jnp.float32), "block_table"),
 }
 
@@ -426,43 +424,33 @@ def test_xattention_bad_arguments_raise():
 
 def test_mosaic_refused_where_unavailable():
     args, kwargs = _valid()
-    if attn._mosaic_kernel(attn._platform(args[0]), False)[0] is not None:
+    if mosaic.available(impls.device_of(args[0])) is None:
         pytest.skip("the Mosaic kernel runs here")
-    with pytest.raises(ValueError, match="impl='mosaic' is unavailable here"):
+    with pytest.raises(ValueError, match="impl='mosaic' needs"):
         attend(*args, impl="mosaic", **kwargs)
 
 
-@pytest.fixture
-def fake_mosaic(monkeypatch):
-    """A stand-in `xattn_jax.mosaic.attention` that is available and takes no cache."""
-    def kernel(q, k, v, mask, *, block_size, causal, scale, return_lse):
-        raise AssertionError("only chosen, never called")
+def test_impl_choice(monkeypatch):
+    """The implementation table's choice for attention (xattn_jax.impls), with the Mosaic
+    kernel's availability and cache support stubbed."""
+    gpu = types.SimpleNamespace(platform="gpu")
 
-    module = types.ModuleType("xattn_jax.mosaic.attention")
-    module.available = lambda: None
-    module.block_sparse_attention = kernel
-    package = types.ModuleType("xattn_jax.mosaic")
-    package.attention = module
-    monkeypatch.setitem(sys.modules, "xattn_jax.mosaic", package)
-    monkeypatch.setitem(sys.modules, "xattn_jax.mosaic.attention", module)
-    return module
+    def choose(impl, device=gpu, cache=False):
+        return impls.resolve(impl, op=impls.ATTENTION, device=device, cache=cache).name
 
-
-def test_impl_choice(fake_mosaic):
-    kernel, ref = fake_mosaic.block_sparse_attention, reference.block_sparse_attention
-    assert attn._attention_impl("auto", "gpu") is kernel
-    assert attn._attention_impl("mosaic", "gpu") is kernel
-    assert attn._attention_impl("reference", "gpu") is ref
-    assert attn._attention_impl("auto", "cpu") is ref
-    assert attn._attention_impl("auto", "gpu", uses_cache=True) is ref
+    monkeypatch.setattr(mosaic, "available", lambda device=None: None)
+    monkeypatch.setattr(mosaic, "TAKES_CACHE", False)
+    assert choose("auto") == choose("mosaic") == "mosaic"
+    assert choose("reference") == "reference"
+    assert choose("auto", cache=True) == "reference"
     with pytest.raises(ValueError, match="neither k_len nor a paged cache"):
-        attn._attention_impl("mosaic", "gpu", uses_cache=True)
-    with pytest.raises(ValueError, match="on a GPU"):
-        attn._attention_impl("mosaic", "cpu")
-    fake_mosaic.available = lambda: "a Hopper GPU (sm_90)"
-    assert attn._attention_impl("auto", "gpu") is ref
-    with pytest.raises(ValueError, match="sm_90"):
-        attn._attention_impl("mosaic", "gpu")
+        choose("mosaic", cache=True)
+    with pytest.raises(ValueError, match="no block-sparse attention kernel"):
+        choose("triton")
+    monkeypatch.setattr(mosaic, "available", lambda device=None: "needs a Hopper GPU")
+    assert choose("auto") == "reference"
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        choose("mosaic")
 
 
 # --- on a GPU: the chosen implementation (the Mosaic kernel on Hopper) at kernel shapes --

@@ -50,7 +50,7 @@ def test_inside_a_trace_the_default_backend_decides():
     assert seen == [impls.Implementation("triton" if ON_GPU else "reference")]
 
 
-@pytest.mark.skipif(mosaic.unavailable() is None, reason="Mosaic GPU runs here")
+@pytest.mark.skipif(mosaic.available() is None, reason="Mosaic GPU runs here")
 def test_mosaic_where_it_cannot_run_says_what_it_needs():
     q, k = _qk()
     scores = jnp.ones((1, 2, 4), jnp.float32)
@@ -67,8 +67,8 @@ def test_mosaic_where_it_cannot_run_says_what_it_needs():
 
 @pytest.mark.gpu
 def test_mosaic_on_hopper_has_no_estimate_kernels_yet():
-    if mosaic.unavailable() is not None:
-        pytest.skip(mosaic.unavailable())
+    if mosaic.available() is not None:
+        pytest.skip(mosaic.available())
     q, k = _qk()
     with pytest.raises(ValueError, match="no kernels for the estimate"):
         xattn_jax.xattn_estimate(q, k, block_size=16, impl="mosaic")

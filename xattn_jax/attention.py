@@ -4,10 +4,10 @@
 `xattention` is the estimate (`xattn_estimate`) and then that attention on its mask, in one
 jitted call.
 
-`impl`: "reference" is the plain-JAX reference (`xattn_jax.reference.attention`, memory-
-lean, any GPU or the CPU); "mosaic" the Hopper kernel `xattn_jax.mosaic.attention`;
-"auto" the Mosaic kernel where it is installed and usable on the inputs' device, else the
-reference. There is no Triton-backend attention kernel.
+`impl` (`xattn_jax.impls`): "reference" is the plain-JAX reference
+(`xattn_jax.reference.attention`, memory-lean, any GPU or the CPU); "mosaic" the Hopper
+kernel `xattn_jax.mosaic.attention`; "auto" the Mosaic kernel where it can run on the
+inputs' device, else the reference. There is no Triton-backend attention kernel.
 
 Several devices: both partition over batch and heads as `xattn_jax.api` says (a paged
 cache over its KV-head axis 2; `xattn_jax.partitioning`).
@@ -16,66 +16,19 @@ cache over its KV-head axis 2; `xattn_jax.partitioning`).
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xattn_jax import partitioning, reference
+from xattn_jax import impls, partitioning
 from xattn_jax.api import xattn_estimate
 from xattn_jax.checks import cached_keys, check_norm, check_qk, threshold_per_head
 from xattn_jax.geometry import Geometry
+from xattn_jax.impls import Implementation
 
-IMPLS = ("auto", "reference", "mosaic", "triton")
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
-
-
-def _platform(x) -> str:
-    """The platform ("cpu", "gpu") of a concrete array; JAX's default inside a trace."""
-    try:
-        return next(iter(x.devices())).platform
-    except (AttributeError, jax.errors.ConcretizationTypeError):
-        return jax.default_backend()
-
-
-def _mosaic_kernel(platform: str, uses_cache: bool) -> tuple[object, str | None]:
-    """(the module xattn_jax.mosaic.attention, None) where its kernel can run this call,
-    else (None, why not)."""
-    try:
-        from xattn_jax.mosaic import attention as mosaic
-    except ImportError as err:
-        return None, f"xattn_jax.mosaic.attention did not import ({err})"
-    if platform != "gpu":
-        return None, f"it needs inputs on a GPU (they are on the {platform})"
-    why = mosaic.available()
-    if why is not None:
-        return None, why
-    params = inspect.signature(mosaic.block_sparse_attention).parameters
-    if uses_cache and not all(name in params for name in _CACHE_ARGS):
-        return None, "its kernel takes neither k_len nor a paged cache"
-    return mosaic, None
-
-
-def _attention_impl(impl: str, platform: str, uses_cache: bool = False):
-    """The attention function for `impl` on inputs on `platform`: one with the signature
-    of `reference.block_sparse_attention` (k_len and block_table passed only when given)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "triton":
-        raise ValueError("impl='triton': no Triton-backend attention kernel yet; use "
-                         "'reference' or 'mosaic'")
-    if impl == "reference":
-        return reference.block_sparse_attention
-    mosaic, why = _mosaic_kernel(platform, uses_cache)
-    if mosaic is not None:
-        return mosaic.block_sparse_attention
-    if impl == "mosaic":
-        raise ValueError(f"impl='mosaic' is unavailable here: {why}; use impl='auto' or "
-                         "'reference'")
-    return reference.block_sparse_attention
-
 
 # --- argument checks -------------------------------------------------------------------
 
@@ -148,13 +101,15 @@ def _check_attention(q, k, v, block_size, block_table) -> Geometry:
 
 # --- entry points ----------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("attend", "block_size", "causal", "scale",
+@functools.partial(jax.jit, static_argnames=("impl", "block_size", "causal", "scale",
                                              "return_lse"))
-def _attention(q, k, v, mask, key_count, block_table, *, attend, block_size: int,
+def _attention(q, k, v, mask, key_count, block_table, *, impl: Implementation,
+               block_size: int,
                causal: bool, scale: float | None, return_lse: bool):
     cache = {name: x for name, x in zip(_CACHE_ARGS, (key_count, block_table))
              if x is not None}
-    return attend(q, k, v, mask, block_size=block_size, causal=causal, scale=scale,
+    return impl.block_sparse_attention(q, k, v, mask, block_size=block_size, causal=causal,
+                                       scale=scale,
                   return_lse=return_lse, **cache)
 
 
@@ -207,25 +162,28 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     _check_mask(mask, geom, block_size)
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
-    attend = _attention_impl(impl, _platform(q), table is not None or key_count is not None)
+    impl = impls.resolve(impl, q, op=impls.ATTENTION,
+                         cache=table is not None or key_count is not None)
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
-                                 attend=attend, block_size=geom.block_size,
+                                 impl=impl, block_size=geom.block_size,
                                  causal=bool(causal), scale=_check_scale(scale),
                                  return_lse=bool(return_lse))
     return run(q, k, v, mask, key_count, table)
 
 
-@functools.partial(jax.jit, static_argnames=("attend", "estimate_impl", "block_size",
+@functools.partial(jax.jit, static_argnames=("impl", "estimate_impl", "block_size",
                                              "stride", "causal", "norm", "scale",
                                              "return_mask"))
-def _xattention(q, k, v, threshold, *, attend, estimate_impl: str, block_size: int,
+def _xattention(q, k, v, threshold, *, impl: Implementation, estimate_impl: Implementation,
+                block_size: int,
                 stride: int, causal: bool, norm: float, scale: float | None,
                 return_mask: bool):
     _, mask = xattn_estimate(q, k, block_size=block_size, stride=stride,
                              threshold=threshold, causal=causal, norm=norm,
                              impl=estimate_impl)
-    out = attend(q, k, v, mask, block_size=block_size, causal=causal, scale=scale,
+    out = impl.block_sparse_attention(q, k, v, mask, block_size=block_size, causal=causal,
+                                      scale=scale,
                  return_lse=False)
     return (out, mask) if return_mask else out
 
@@ -257,11 +215,10 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     _check_v(v, k, None)
     t = threshold_per_head(threshold, geom.q_heads)
-    platform = _platform(q)
-    attend = _attention_impl(impl, platform)
-    estimate_impl = "reference" if impl == "reference" or platform != "gpu" else "auto"
+    attention_impl = impls.resolve(impl, q, op=impls.ATTENTION)
+    estimate_impl = impls.resolve("reference" if impl == "reference" else "auto", q)
     run = partitioning.on_shards(
-        _xattention, ("B H ...", "B K ...", "B K ...", "H"), attend=attend,
+        _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,
         estimate_impl=estimate_impl, block_size=geom.block_size, stride=geom.stride,
         causal=bool(causal), norm=check_norm(norm), scale=_check_scale(scale),
         return_mask=bool(return_mask))

@@ -1,19 +1,21 @@
 """The implementation table: every public function's `impl` argument is resolved here,
 and nowhere else.
 
-- "reference": plain JAX (`xattn_jax.reference`); any device.
+- "reference": plain JAX (`xattn_jax.reference`); any device; every op.
 - "triton": Pallas kernels on the Triton backend (`xattn_jax.triton`); NVIDIA GPUs, and
-  elsewhere Pallas interpret mode (slow: for tests).
+  elsewhere Pallas interpret mode (slow: for tests). The estimate's ops
+  (`strided_scores`, `block_sums`, `select_blocks`); no attention kernel.
 - "mosaic": Pallas kernels on the Mosaic GPU backend (`xattn_jax.mosaic`); NVIDIA Hopper
-  GPUs (H100, H200), for the ops it has kernels for.
-- "auto": the best of these for the device the inputs live on: "triton" on a GPU,
-  "reference" elsewhere.
+  GPUs (H100, H200). Block-sparse attention; no estimate kernels yet.
+- "auto": the best of these for the device the inputs live on: for the estimate
+  "triton" on a GPU, "reference" elsewhere; for attention "mosaic" where it can run
+  (and takes the call's cache arguments), else "reference".
 
 The device is that of the first concrete `jax.Array` among the inputs; inside a trace
-(a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend.
-Each resolved implementation is a small hashable value, a static argument of the jitted
-functions, that runs each op of the estimate (`strided_scores`, `block_sums`,
-`select_blocks`); the Triton ones build their plan (`triton.plan`) at trace time.
+(a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend
+(or pass `device=`, or an `Implementation` resolved earlier). Each resolved
+implementation is a small hashable value, a static argument of the jitted functions,
+that runs the ops; the Triton ones build their plan (`triton.plan`) at trace time.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from xattn_jax.triton import strided_scores as triton_scores
 from xattn_jax.triton.plan import plan_block_sums, plan_select_blocks, plan_strided_scores
 
 IMPLS = ("auto", "reference", "triton", "mosaic")
-ESTIMATE_OPS = ("strided_scores", "block_sums", "select_blocks")
+ESTIMATE, ATTENTION = "estimate", "attention"  # the families of ops `resolve` serves
 TRITON_MAX_KEY_BLOCKS = 16384  # wider rows select with the reference (XLA sort)
 
 _reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
@@ -38,10 +40,18 @@ _reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """A resolved implementation: "reference" or "triton" (with `interpret` off a GPU)."""
+    """A resolved implementation: "reference", "triton" (with `interpret` off a GPU) or
+    "mosaic" (attention)."""
 
     name: str
     interpret: bool = False
+
+    def block_sparse_attention(self, q, k, v, mask, **kwargs):
+        """Section 6 (arguments of `reference.block_sparse_attention`)."""
+        if self.name == "mosaic":
+            from xattn_jax.mosaic import attention as mosaic_attention  # imports Mosaic GPU
+            return mosaic_attention.block_sparse_attention(q, k, v, mask, **kwargs)
+        return reference.block_sparse_attention(q, k, v, mask, **kwargs)
 
     def strided_scores(self, q, k, *, geom: Geometry, norm: float) -> jax.Array:
         """Section 1: float32 `[B, Hq, q_rows, k_cols]`."""
@@ -92,16 +102,17 @@ def _platform(device: jax.Device | None) -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def resolve(impl: str | Implementation, *arrays,
-            device: jax.Device | None = None) -> Implementation:
-    """The implementation of the estimate's ops that `impl` names, for inputs `arrays`
-    (or for `device`, where given). An `Implementation` (from an earlier `resolve`) is
-    returned as it is: a caller that traces the public functions in its own jit, where
-    the inputs have no device yet, pins the implementation of the device they will run on
-    this way.
+def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
+            device: jax.Device | None = None, cache: bool = False) -> Implementation:
+    """The implementation of the ops of family `op` (ESTIMATE or ATTENTION) that `impl`
+    names, for inputs `arrays` (or for `device`, where given). An `Implementation` from
+    an earlier `resolve` is returned as it is: a caller that traces the public functions
+    in its own jit, where the inputs have no device yet, pins the implementation of the
+    device they will run on this way. cache: the attention call reads a padded or paged
+    cache (`k_len`, `block_table`).
 
-    A ValueError for a name not in IMPLS, and for "mosaic", which has no estimate
-    kernels yet: the message says what it needs.
+    A ValueError for a name not in IMPLS, and for an implementation that has no kernel
+    for `op` or cannot run on the device: the message says what it needs.
     """
     if isinstance(impl, Implementation):
         return impl
@@ -109,11 +120,29 @@ def resolve(impl: str | Implementation, *arrays,
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     device = device or device_of(*arrays)
     on_gpu = _platform(device) == "gpu"
+    if op == ATTENTION:
+        return _resolve_attention(impl, device, cache)
     if impl == "mosaic":
-        reason = mosaic.unavailable(device)
+        reason = mosaic.available(device)
         raise ValueError(reason or "impl='mosaic' has no kernels for the estimate yet "
                          "(it has them for block-sparse attention); use 'triton' or "
                          "'auto'")
     if impl == "reference" or (impl == "auto" and not on_gpu):
         return Implementation("reference")
     return Implementation("triton", interpret=not on_gpu)
+
+
+def _resolve_attention(impl: str, device, cache: bool) -> Implementation:
+    if impl == "triton":
+        raise ValueError("impl='triton' has no block-sparse attention kernel; use "
+                         "'reference', 'mosaic' (Hopper) or 'auto'")
+    if impl == "reference":
+        return Implementation("reference")
+    reason = mosaic.available(device)
+    if reason is None and cache and not mosaic.TAKES_CACHE:
+        reason = "impl='mosaic': its attention kernel takes neither k_len nor a paged cache"
+    if reason is None:
+        return Implementation("mosaic")
+    if impl == "mosaic":
+        raise ValueError(f"{reason}; use impl='auto' or 'reference'")
+    return Implementation("reference")

@@ -1,6 +1,6 @@
 """Pallas Mosaic GPU kernels for NVIDIA Hopper GPUs (H100, H200).
 
-`unavailable(device)` says why they cannot run on a device (None where they can).
+`available(device)` says why they cannot run on a device (None where they can).
 """
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from __future__ import annotations
 import jax
 
 HOPPER = "9"  # compute capability major version
+TAKES_CACHE = False  # whether the attention kernel takes k_len and paged caches
 
 
-def unavailable(device: jax.Device | None = None) -> str | None:
+def available(device: jax.Device | None = None) -> str | None:
     """None if Mosaic GPU kernels can run on `device` (default: JAX's default device),
     else what they need, as a sentence."""
     device = device or jax.devices()[0]
