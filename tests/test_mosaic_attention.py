@@ -205,3 +205,36 @@ def test_kernel_is_deterministic_and_lse_is_optional(rand):
     again, _ = attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=True,
                                                 return_lse=True)
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again), str(rand))
+
+
+def _mosaic_gpu_import_error() -> str | None:
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except Exception as error:  # this jax cannot build Mosaic GPU kernels at all
+        return repr(error)
+    return None
+
+
+@pytest.mark.skipif(_mosaic_gpu_import_error() is not None,
+                    reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
+@pytest.mark.parametrize("q_len, k_len, dim, block_size, causal, return_lse, plan", [
+    (1024, 1024, 128, 128, True, True, {}),
+    (1000, 1500, 128, 128, False, False, {}),
+    (700, 300, 64, 256, True, True, {}),
+    (512, 512, 256, 128, True, False, {}),
+    (1024, 1024, 128, 128, True, False, {"block_kv": 64, "stages": 3}),
+])
+def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_lse, plan):
+    """Without a GPU: Mosaic GPU's lowering (layout inference included, for sm_90) accepts
+    the kernel and the module holds its custom call."""
+    q = jax.ShapeDtypeStruct((1, 4, q_len, dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, k_len, dim), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((1, 4, -(-q_len // block_size), -(-k_len // block_size)),
+                                jnp.bool_)
+
+    def call(q, k, v, mask):
+        return attention.block_sparse_attention(q, k, v, mask, block_size=block_size,
+                                                causal=causal, return_lse=return_lse, **plan)
+
+    lowered = jax.jit(call).trace(q, k, k, mask).lower(lowering_platforms=("cuda",))
+    assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
