@@ -1,7 +1,8 @@
 """Block-sparse attention with the Mosaic GPU kernel (xattn_jax.mosaic), against a float64
 numpy reference of ESTIMATE.md section 6.
 
-On CPU: the device-built key-tile lists are walked the way the kernel walks them (only
+On CPU: the kernel itself in Pallas' GPU interpret mode (jax >= 0.11, see
+tests/mosaic_interpret.py); the device-built key-tile lists are walked the way the kernel walks them (only
 listed tiles; the per-element mask only past each warpgroup's unmasked prefix; padded keys
 are zeros, as in the kernel) and must give the reference exactly (float64); the plan's
 refusals and `available()` are checked. Marked `gpu` (skipped unless
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import mosaic_interpret
 import numpy as np
 import pytest
 
@@ -238,3 +240,35 @@ def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_ls
 
     lowered = jax.jit(call).trace(q, k, k, mask).lower(lowering_platforms=("cuda",))
     assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
+
+
+# (batch, heads, kv_heads, Lq, Lk, dim, block_size, density, causal, plan): shapes seen by
+# no other test, so that no interpreted trace can be cached for them elsewhere.
+INTERPRET_CASES = [
+    (1, 2, 1, 256, 384, 64, 128, 0.7, True, {}),
+    (2, 2, 1, 300, 200, 64, 128, 0.6, True, {}),
+    (1, 2, 2, 200, 461, 64, 256, 0.5, False, {}),
+    (1, 2, 1, 448, 448, 64, 128, 0.6, True, {"block_kv": 64, "stages": 3}),
+]
+
+
+@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.parametrize("case", INTERPRET_CASES)
+def test_kernel_in_gpu_interpret_mode(rand, case):
+    """The kernel's code (producer, consumers, barriers, lists, masks, empty rows) on CPU:
+    equal to the reference up to bfloat16 rounding, no race, every barrier phase seen."""
+    batch, heads, kv_heads, q_len, k_len, dim, block_size, density, causal, plan = case
+    q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
+                            density)
+    with mosaic_interpret.interpret_kernel() as races_found:
+        out, lse = attention.block_sparse_attention(
+            q, k, v, mask, block_size=block_size, causal=causal, return_lse=True, **plan)
+        out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse)
+        assert not races_found(), str(rand)
+    want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
+                                             causal=causal, scale=dim ** -0.5)
+    np.testing.assert_allclose(out, want_out, atol=2e-2, rtol=2e-2, err_msg=str(rand))
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse), str(rand))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-4, err_msg=str(rand))

@@ -170,29 +170,33 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, b
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
-        def fetch_keys(index, slot):
+        def key_rows(index):
             tile = tiles_ref[batch, head, cta, index]
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, pl.ds(tile * bkv, bkv)],
-                                    k_smem.at[slot], k_ready.at[slot])
-
-        def fetch_values(index, slot):
-            tile = tiles_ref[batch, head, cta, index]
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, pl.ds(tile * bkv, bkv)],
-                                    v_smem.at[slot], v_ready.at[slot])
+            return (batch, kv_head, pl.ds(tile * bkv, bkv))
 
         for first in range(stages):
             @pl.when(first < num_steps)
             def _():
-                fetch_keys(first, first)
-                fetch_values(first, first)
+                rows = key_rows(first)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[first], k_ready.at[first])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[first], v_ready.at[first])
 
         @pl.loop(stages, num_steps)
         def _(index):
             slot = lax.rem(index, jnp.int32(stages))
+            rows = key_rows(index)  # read the index before waiting: its latency overlaps
             plgpu.barrier_wait(k_free.at[slot])
-            fetch_keys(index, slot)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
-            fetch_values(index, slot)
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        # Observe the releases of the last tiles too, so every completed phase of the
+        # free barriers has been waited for when the CTA ends.
+        @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+        def _(index):
+            slot = lax.rem(index, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
 
 
 def attention_call(q, k, v, tiles, counts, *, plan: AttentionPlan, k_len: int,
