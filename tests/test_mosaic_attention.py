@@ -1,12 +1,15 @@
 """Block-sparse attention with the Mosaic GPU kernel (xattn_jax.mosaic), against a float64
 numpy reference of ESTIMATE.md section 6.
 
-On CPU: the kernel itself in Pallas' GPU interpret mode (jax >= 0.11, see
-tests/mosaic_interpret.py); the device-built key-tile lists are walked the way the kernel walks them (only
-listed tiles; the per-element mask only past each warpgroup's unmasked prefix; padded keys
-are zeros, as in the kernel) and must give the reference exactly (float64); the plan's
-refusals and `available()` are checked. Marked `gpu` (skipped unless
-`xattn_jax.mosaic.available()` is None, i.e. on a Hopper GPU): the kernel itself.
+On CPU:
+- the key-tile lists built on the device, walked the way the kernel walks them (listed
+  tiles only; the per-element mask only past each warpgroup's unmasked prefix; padded keys
+  are zeros, as in the kernel), give the reference exactly (float64);
+- the plan's refusals and `available()`;
+- where Mosaic GPU imports (jax >= 0.11): the kernel lowers for CUDA, and the kernel itself
+  runs in Pallas' GPU interpret mode (tests/mosaic_interpret.py).
+Marked `gpu` (skipped unless `xattn_jax.mosaic.available()` is None, i.e. on a Hopper GPU):
+the compiled kernel.
 """
 
 from __future__ import annotations

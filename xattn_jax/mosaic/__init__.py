@@ -41,7 +41,8 @@ def available(device=None) -> str | None:
     try:
         plgpu = importlib.import_module("jax.experimental.pallas.mosaic_gpu")
     except Exception as error:  # any import failure means the backend is unusable
-        return f"impl='mosaic' needs jax.experimental.pallas.mosaic_gpu; import failed: {error!r}"
+        return ("impl='mosaic' needs jax.experimental.pallas.mosaic_gpu; "
+                f"import failed: {error!r}")
     missing = [name for name in _MOSAIC_API if not hasattr(plgpu, name)]
     if missing:
         return (f"impl='mosaic' needs a newer jax (found {jax.__version__}): "

@@ -60,7 +60,8 @@ def key_tile_lists(mask: jax.Array, *, q_len: int, k_len: int, block_size: int,
     offset = k_len - q_len
     cta_row = jnp.arange(num_ctas, dtype=jnp.int32) * rows
     tile_key = jnp.arange(num_tiles, dtype=jnp.int32) * block_kv
-    visit = mask[:, :, cta_row // block_size][:, :, :, tile_key // block_size]
+    visit = mask.astype(bool)[:, :, cta_row // block_size]
+    visit = visit[:, :, :, tile_key // block_size]
     if causal:
         last_position = cta_row + (rows - 1 + offset)
         visit = visit & (tile_key[None, :] <= last_position[:, None])

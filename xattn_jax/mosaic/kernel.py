@@ -9,7 +9,9 @@ consumer w. Skipped tiles cost nothing: the producer copies only listed tiles (T
 
 Producer: fills the slots, then for each later step waits until both consumers released
 the slot's key tile (after q.k^T) and copies the next one, then the same for the value tile
-(released after p.v), so the next keys load while the current values are still in use.
+(released after p.v), so the next keys load while the current values are still in use;
+at the end it waits for the releases of the last tiles, so that every completed barrier
+phase has been observed when the CTA exits.
 
 Consumers: per step, s = q.k^T (wgmma), online softmax in float32, acc += p.v (wgmma). A
 two-arrival barrier (`mma_turn`) makes the consumers take turns: while one warpgroup runs
