@@ -1,6 +1,8 @@
 """GPU check of the Mosaic GPU block-sparse attention kernel (xattn_jax.mosaic), one run.
 
-    python -m bench.mosaic_attention_check [--skip-large] [--no-smoke]
+    python -m bench.mosaic_attention_check [--skip-large] [--no-smoke] [--ptxas]
+
+(--ptxas: Mosaic GPU prints ptxas' report of each kernel: registers, spills.)
 
 1. Smoke: the smallest case in a subprocess with a time limit, so a kernel that hangs
    (a barrier protocol error) is reported as such instead of stalling the whole run.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import subprocess
 import sys
 import time
@@ -244,7 +247,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--no-smoke", action="store_true")
+    parser.add_argument("--ptxas", action="store_true")
     args = parser.parse_args()
+    if args.ptxas:  # read by Mosaic GPU when it compiles, inherited by the smoke process
+        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "
           f"mosaic.available() = {mosaic.available()!r}", flush=True)
