@@ -80,13 +80,15 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, b
         row0 = cta * plan.rows_per_cta + wg * bq
         plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_tile,
                                 q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
         num_unmasked = counts_ref[batch, head, cta, 1 + wg]
+        plgpu.barrier_wait(q_ready.at[wg])
         scale_log2 = scale * LOG2_E
 
         def step(index, carry, *, masked: bool):
             acc, m, l = carry
             slot = lax.rem(index, jnp.int32(stages))
+            if masked:  # read before the product, so that its latency overlaps
+                key0 = tiles_ref[batch, head, cta, index] * bkv
 
             def qk_product(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
@@ -96,7 +98,6 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, b
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bkv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
-                key0 = tiles_ref[batch, head, cta, index] * bkv
                 rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
                                               layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
