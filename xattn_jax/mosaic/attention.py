@@ -5,7 +5,10 @@ kernel of `xattn_jax.mosaic.kernel` (Hopper, sm_90).
 tiles per (batch, query head, CTA query tile) from the mask (`key_tile_lists`), pads q/k/v
 to whole tiles where needed, runs the kernel and slices the padding away. The kernel module
 is imported on first call only, so this module imports with any jax (also where Mosaic GPU
-does not import); `xattn_jax.mosaic.available()` says whether it can run.
+does not import); `available()` (from `xattn_jax.mosaic`) says whether the kernel can run
+on a device, `unsupported_reason(D, Dv, dtype, block_size)` whether it takes the arguments:
+a caller choosing an implementation ("auto") falls back to the reference when either is
+not None, as `block_sparse_attention` raises ValueError for such arguments.
 
 Padding cost: when Lq is not a multiple of `plan.rows_per_cta` (128) or Lk not a multiple of
 `plan.block_kv`, q (resp. k and v) are copied once into padded arrays (jnp.pad) and the
@@ -23,10 +26,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xattn_jax.mosaic import available
 from xattn_jax.mosaic.plan import AttentionPlan, attention_plan, unsupported_reason
 
-__all__ = ["AttentionPlan", "KeyTileLists", "attention_plan", "block_sparse_attention",
-           "key_tile_lists", "unsupported_reason"]
+__all__ = ["AttentionPlan", "KeyTileLists", "attention_plan", "available",
+           "block_sparse_attention", "key_tile_lists", "unsupported_reason"]
 
 
 class KeyTileLists(NamedTuple):
