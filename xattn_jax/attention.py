@@ -163,7 +163,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
     impl = impls.resolve(impl, q, op=impls.ATTENTION,
-                         cache=table is not None or key_count is not None)
+                         cache=table is not None or key_count is not None,
+                         attention_args=(q.shape[-1], v.shape[-1], q.dtype, geom.block_size))
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
                                  impl=impl, block_size=geom.block_size,
@@ -215,7 +216,9 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     _check_v(v, k, None)
     t = threshold_per_head(threshold, geom.q_heads)
-    attention_impl = impls.resolve(impl, q, op=impls.ATTENTION)
+    attention_impl = impls.resolve(impl, q, op=impls.ATTENTION,
+                                   attention_args=(q.shape[-1], v.shape[-1], q.dtype,
+                                                   geom.block_size))
     estimate_impl = impls.resolve("reference" if impl == "reference" else "auto", q)
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,

@@ -103,13 +103,15 @@ def _platform(device: jax.Device | None) -> str:
 
 
 def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
-            device: jax.Device | None = None, cache: bool = False) -> Implementation:
+            device: jax.Device | None = None, cache: bool = False,
+            attention_args: tuple | None = None) -> Implementation:
     """The implementation of the ops of family `op` (ESTIMATE or ATTENTION) that `impl`
     names, for inputs `arrays` (or for `device`, where given). An `Implementation` from
     an earlier `resolve` is returned as it is: a caller that traces the public functions
     in its own jit, where the inputs have no device yet, pins the implementation of the
     device they will run on this way. cache: the attention call reads a padded or paged
-    cache (`k_len`, `block_table`).
+    cache (`k_len`, `block_table`); attention_args: its (head_dim, value_dim, dtype,
+    block_size), which a kernel may not take (`mosaic.attention.unsupported_reason`).
 
     A ValueError for a name not in IMPLS, and for an implementation that has no kernel
     for `op` or cannot run on the device: the message says what it needs.
@@ -121,7 +123,7 @@ def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
     device = device or device_of(*arrays)
     on_gpu = _platform(device) == "gpu"
     if op == ATTENTION:
-        return _resolve_attention(impl, device, cache)
+        return _resolve_attention(impl, device, cache, attention_args)
     if impl == "mosaic":
         reason = mosaic.available(device)
         raise ValueError(reason or "impl='mosaic' has no kernels for the estimate yet "
@@ -132,7 +134,8 @@ def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
     return Implementation("triton", interpret=not on_gpu)
 
 
-def _resolve_attention(impl: str, device, cache: bool) -> Implementation:
+def _resolve_attention(impl: str, device, cache: bool,
+                       attention_args: tuple | None) -> Implementation:
     if impl == "triton":
         raise ValueError("impl='triton' has no block-sparse attention kernel; use "
                          "'reference', 'mosaic' (Hopper) or 'auto'")
@@ -141,6 +144,9 @@ def _resolve_attention(impl: str, device, cache: bool) -> Implementation:
     reason = mosaic.available(device)
     if reason is None and cache and not mosaic.TAKES_CACHE:
         reason = "impl='mosaic': its attention kernel takes neither k_len nor a paged cache"
+    if reason is None and attention_args is not None:
+        from xattn_jax.mosaic.plan import unsupported_reason  # plain Python, no Mosaic GPU
+        reason = unsupported_reason(*attention_args)
     if reason is None:
         return Implementation("mosaic")
     if impl == "mosaic":

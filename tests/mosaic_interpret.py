@@ -1,0 +1,133 @@
+"""Runs the Mosaic GPU attention kernel on CPU in Pallas' GPU interpret mode (jax >= 0.11).
+
+GPU interpret mode simulates the warpgroups, shared memory, TMA copies and barriers of a
+kernel (and checks that every completed barrier phase was observed and, with
+`detect_races`, that shared memory accesses are ordered by barriers), but in jax 0.11.2 it
+interprets neither `pl.run_state` on a wgmma accumulator nor a wgmma whose left operand is
+an array in registers, both of which the kernel's p.v product uses. `interpret_kernel()`
+supplies the two, for its duration only:
+
+- the kernel module's `pl.run_state(f)(ACC.init(acc))` becomes
+  `run_scoped(f on a zeroed accumulator) + acc`, the same sum;
+- the interpreter's wgmma rule accepts an array left operand: acc += a @ b, with b and acc
+  read from the simulated memory.
+
+Test-only: it replaces private jax internals, so `unsupported_reason()` says when this jax
+does not have them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import numpy as np
+
+
+def unsupported_reason() -> str | None:
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except Exception as error:  # no Mosaic GPU interpret mode in this jax
+        return f"no Mosaic GPU interpret mode: {error!r}"
+    needed = [(jaxpr_interpret.JaxprInterpreter, "_interpret_wgmma_ref_p"),
+              (jaxpr_interpret, "resolve_ref"), (gpu_callbacks, "_get_shared_memory"),
+              (gpu_callbacks, "TOKEN_SHAPE_DTYPE"), (plgpu, "force_gpu_interpret_mode")]
+    missing = [name for owner, name in needed if not hasattr(owner, name)]
+    return f"jax internals changed, missing {missing}" if missing else None
+
+
+def _add_matmul(*, token, mesh_location, thread, acc_key, acc_transforms, lhs, rhs_key,
+                rhs_transforms, source_info=None):
+    """Host side of a wgmma with an array lhs: acc += lhs @ rhs in simulated memory."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as callbacks
+
+    memory = callbacks._get_shared_memory()
+    info = callbacks.memory.GPULoggingInfo(mesh_location, thread, source_info)
+
+    def region(key, transforms):
+        key = callbacks.HostAllocationKey.from_array(key)
+        transforms = jax.tree.map(int, callbacks._remove_noop_transforms(transforms))
+        return key, memory.access(key, transforms)
+
+    rhs_key, rhs_range = region(rhs_key, rhs_transforms)
+    rhs, _, _ = memory.get_buffer_content(rhs_key, rhs_range, thread, logging_info=info)
+    acc_key, acc_range = region(acc_key, acc_transforms)
+    acc, _, _ = memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+    total = acc + np.matmul(np.asarray(lhs), rhs, dtype=acc.dtype)
+    memory.store_buffer_content(acc_key, acc_range, total, thread, logging_info=info)
+    return token
+
+
+def _wgmma_rule(original):
+    from jax._src import callback
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+    from jax._src.state import types as state_types
+
+    def rule(self, eqn, token, get_invals):
+        if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+            return original(self, eqn, token, get_invals)
+        acc, lhs, rhs, *leaves = get_invals()
+        trees = [eqn.params[f"{name}_transforms_tree"] or jax.tree.structure([])
+                 for name in ("acc", "a", "b")]
+        acc_t, _, rhs_t = jax.tree.unflatten(jax.tree_util.treedef_tuple(trees), leaves)
+        acc, acc_t = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_t)
+        rhs, rhs_t = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, rhs, rhs_t)
+        token = callback.io_callback(
+            functools.partial(_add_matmul, source_info=eqn.source_info),
+            gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
+            thread=self.thread, acc_key=acc, acc_transforms=acc_t, lhs=lhs, rhs_key=rhs,
+            rhs_transforms=rhs_t)
+        return token, []
+
+    return rule
+
+
+class _PallasWithScopedRunState:
+    """`jax.experimental.pallas` with run_state on an accumulator done by run_scoped."""
+
+    def __init__(self, pl, plgpu):
+        self._pl, self._plgpu = pl, plgpu
+
+    def __getattr__(self, name):
+        return getattr(self._pl, name)
+
+    def run_state(self, body):
+        def call(acc_init):
+            initial = acc_init._init
+
+            def scoped(acc_ref):
+                body(acc_ref)
+                return acc_ref[...]
+
+            accumulator = self._plgpu.ACC(initial.shape, initial.dtype)
+            return self._pl.run_scoped(scoped, accumulator) + initial
+
+        return call
+
+
+@contextlib.contextmanager
+def interpret_kernel(detect_races: bool = True):
+    """Within: calls of `xattn_jax.mosaic.kernel` run in GPU interpret mode on CPU. Yields
+    a function returning whether the race detector found a race. Clears jax's caches on
+    exit so that no interpreted trace is reused outside."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from xattn_jax.mosaic import kernel
+
+    interpreter = jaxpr_interpret.JaxprInterpreter
+    original_rule = interpreter._interpret_wgmma_ref_p
+    interpreter._interpret_wgmma_ref_p = _wgmma_rule(original_rule)
+    kernel.pl = _PallasWithScopedRunState(pl, plgpu)
+    jax.clear_caches()
+    try:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(
+                detect_races=detect_races)):
+            yield lambda: bool(gpu_callbacks.get_races().races_found)
+    finally:
+        kernel.pl = pl
+        interpreter._interpret_wgmma_ref_p = original_rule
+        jax.clear_caches()
