@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import (MATMUL_FLOPS, floor_ms, jax_extra_mib, log,  # noqa: E402
                           markdown_table, record, strided_flops, time_ms, write_json)
-from xattn_jax import attention, block_sparse_attention, xattention  # noqa: E402
+from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 
 THRESHOLD = 0.9
@@ -138,10 +138,12 @@ def attention_flops(mask, q_len: int, k_len: int, sz: Sizes) -> tuple[float, flo
     return 4.0 * sz.head_dim * allowed, allowed / visible
 
 
-def impl_label(impl: str) -> str:
-    """Which attention `impl` runs on JAX's default device, for the records."""
-    fn = attention._attention_impl(impl, jax.default_backend())
-    return "mosaic" if fn.__module__.startswith("xattn_jax.mosaic") else "reference"
+def impl_label(impl: str, sz: Sizes) -> str:
+    """Which attention `impl` runs on JAX's default device for bf16 inputs of these sizes
+    (`xattn_jax.impls`), for the records."""
+    return impls.resolve(impl, op=impls.ATTENTION, device=jax.devices()[0],
+                         attention_args=(sz.head_dim, sz.head_dim, jnp.bfloat16,
+                                         sz.block_size)).name
 
 
 # --- cases -----------------------------------------------------------------------------
@@ -168,7 +170,7 @@ def run_case(name: str, sz: Sizes, impl: str) -> dict:
             return block_sparse_attention(q, k, v, mask, block_size=sz.block_size,
                                           causal=True, impl=impl)
 
-        args, label = (q, k, v, mask), f"xattn-jax/{impl_label(impl)}"
+        args, label = (q, k, v, mask), f"xattn-jax/{impl_label(impl, sz)}"
         flops, extra["density"] = attention_flops(mask, length, length, sz)
     else:
         q, k, v = structured_qkv(length, sz)
@@ -177,7 +179,7 @@ def run_case(name: str, sz: Sizes, impl: str) -> dict:
             return xattention(q, k, v, threshold=THRESHOLD, block_size=sz.block_size,
                               stride=sz.stride, causal=True, impl=impl)
 
-        args, label = (q, k, v), f"xattn-jax/{impl_label(impl)}"
+        args, label = (q, k, v), f"xattn-jax/{impl_label(impl, sz)}"
         _, mask = xattention(*args, threshold=THRESHOLD, block_size=sz.block_size,
                              stride=sz.stride, causal=True, impl=impl, return_mask=True)
         flops, extra["density"] = attention_flops(mask, length, length, sz)

@@ -91,7 +91,7 @@ def report(rows: list[dict], dense: dict, sz: Sizes, impl: str, png: str) -> str
         f"heads, each query head repeated to its {sz.q_heads // sz.kv_heads} GQA query "
         f"heads; v random), causal, Lq = Lk = {sz.quality_length}, Hq {sz.q_heads}, Hkv "
         f"{sz.kv_heads}, D {sz.head_dim}, block {sz.block_size}, bf16; attention impl "
-        f"{impl_label(impl)}. rel err: Frobenius norm of the output's difference from "
+        f"{impl_label(impl, sz)}. rel err: Frobenius norm of the output's difference from "
         "dense float32 attention of the float32 inputs, relative to its norm. density: "
         "allowed visible (query, key) pairs over all visible pairs. speed-up: dense bf16 "
         "attention's time over xattention's (estimate included).",
