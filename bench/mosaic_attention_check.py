@@ -4,8 +4,9 @@
 
 (--ptxas: Mosaic GPU prints ptxas' report of each kernel: registers, spills.)
 
-1. Smoke: the smallest case in a subprocess with a time limit, so a kernel that hangs
-   (a barrier protocol error) is reported as such instead of stalling the whole run.
+1. Smoke: the first small case, and the first with a traced k_len, each in a subprocess
+   with a time limit, so a kernel that hangs (a barrier protocol error) is reported as
+   such instead of stalling the whole run.
 2. Correctness at small shapes against a float32 plain-JAX dense reference (mask
    expanded): max abs/rel error of out, lse error, -inf pattern of lse (empty rows), NaNs,
    and a bit-identical rerun. Each case is independent: a failure prints its full
@@ -50,22 +51,24 @@ def _inputs(seed, batch, heads, kv_heads, q_len, k_len, dim, block_size, density
     return q, k, v, mask
 
 
-def _allowed(mask, q_len, k_len, block_size, causal):
+def _allowed(mask, q_len, k_len, block_size, causal, keys_in_use=None):
+    n = k_len if keys_in_use is None else keys_in_use
     rows, keys = jnp.arange(q_len)[:, None], jnp.arange(k_len)[None, :]
-    allowed = mask[:, :, rows // block_size, keys // block_size]
+    allowed = mask[:, :, rows // block_size, keys // block_size] & (keys < n)
     if causal:
-        allowed = allowed & (keys <= rows + k_len - q_len)
+        allowed = allowed & (keys <= rows + n - q_len)
     return allowed
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "causal"))
-def dense_reference(q, k, v, mask, *, block_size, causal):
-    """float32 out [B, Hq, Lq, D] and lse [B, Hq, Lq] (-inf and zeros for empty rows)."""
+def dense_reference(q, k, v, mask, keys_in_use=None, *, block_size, causal):
+    """float32 out [B, Hq, Lq, D] and lse [B, Hq, Lq] (-inf and zeros for empty rows);
+    `keys_in_use` n (default Lk): keys from n on hidden, row i at key i + n - Lq."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
     scores = jnp.einsum("bhid,bhjd->bhij", q, k, precision="highest") / np.sqrt(q.shape[-1])
-    allowed = _allowed(mask, q.shape[2], k.shape[2], block_size, causal)
+    allowed = _allowed(mask, q.shape[2], k.shape[2], block_size, causal, keys_in_use)
     scores = jnp.where(allowed, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -90,20 +93,23 @@ def allowed_pairs(mask, q_len, k_len, block_size, causal) -> int:
     return int((np.asarray(mask) * per_block).sum())
 
 
-def check_case(name, seed, batch, heads, kv_heads, q_len, k_len, dim, block_size, density,
-               causal, dtype=jnp.bfloat16, **plan):
-    q, k, v, mask = _inputs(seed, batch, heads, kv_heads, q_len, k_len, dim, block_size,
+def check_case(name, seed, batch, heads, kv_heads, q_len, key_len, dim, block_size, density,
+               causal, dtype=jnp.bfloat16, **options):
+    """One small case; `options`: k_len (passed as an int32 array) and plan overrides."""
+    if "k_len" in options:
+        options = dict(options, k_len=jnp.int32(options["k_len"]))
+    q, k, v, mask = _inputs(seed, batch, heads, kv_heads, q_len, key_len, dim, block_size,
                             density, dtype)
     start = time.perf_counter()
     out, lse = attention.block_sparse_attention(q, k, v, mask, block_size=block_size,
-                                                causal=causal, return_lse=True, **plan)
+                                                causal=causal, return_lse=True, **options)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     compile_s = time.perf_counter() - start
     rerun, _ = attention.block_sparse_attention(q, k, v, mask, block_size=block_size,
-                                                causal=causal, return_lse=True, **plan)
+                                                causal=causal, return_lse=True, **options)
     identical = np.array_equal(np.asarray(rerun.astype(jnp.float32)), out, equal_nan=True)
     want_out, want_lse = (np.asarray(x) for x in dense_reference(
-        q, k, v, mask, block_size=block_size, causal=causal))
+        q, k, v, mask, options.get("k_len"), block_size=block_size, causal=causal))
     empty = np.isneginf(want_lse)
     abs_err = np.abs(out - want_out)
     rel_err = abs_err.max() / max(np.abs(want_out).max(), 1e-30)
@@ -138,12 +144,21 @@ SMALL_CASES = [
     ("causal D256", 10, 1, 2, 1, 512, 512, 256, 128, 0.7, True),
 ]
 PLAN_VARIANTS = [dict(block_kv=64), dict(stages=3), dict(block_kv=64, stages=4)]
+# (case, options): k_len, the keys in use, traced (one compilation for any value)
+KEYS_IN_USE_CASES = [
+    (("causal Lq 256 Lk 1024, 700 keys in use", 12, 1, 4, 2, 256, 1024, 128, 128, 0.7,
+      True), {"k_len": 700}),
+    (("non-causal Lq 200 Lk 1024, 517 keys in use", 13, 1, 4, 2, 200, 1024, 128, 128, 0.7,
+      False), {"k_len": 517}),
+]
 
 
-def run_small() -> None:
-    for case in SMALL_CASES:
+def run_small(with_keys_in_use: bool) -> None:
+    cases = [(case, {}) for case in SMALL_CASES]
+    cases += KEYS_IN_USE_CASES if with_keys_in_use else []
+    for case, options in cases:
         try:
-            check_case(*case)
+            check_case(*case, **options)
         except Exception:
             print(f"ERROR {case[0]}:", flush=True)
             traceback.print_exc()
@@ -229,17 +244,18 @@ def run_large(started: float) -> None:
           ">1 is faster than dense cudnn)", flush=True)
 
 
-def smoke() -> str:
-    """The first small case in a subprocess: "pass", "fail" or "hang"."""
-    code = ("from bench.mosaic_attention_check import check_case, SMALL_CASES;"
-            "import sys; sys.exit(0 if check_case(*SMALL_CASES[0]) else 1)")
+def smoke(call: str) -> str:
+    """`call` (an expression on this module's names) in a subprocess with a time limit:
+    "pass", "fail" or "hang"."""
+    code = (f"from bench.mosaic_attention_check import *; import sys; "
+            f"sys.exit(0 if {call} else 1)")
     try:
         done = subprocess.run([sys.executable, "-c", code], timeout=SMOKE_LIMIT_S)
     except subprocess.TimeoutExpired:
-        print(f"SMOKE HANG: the first case did not finish in {SMOKE_LIMIT_S}s (barrier "
-              "protocol deadlock?); stopping", flush=True)
+        print(f"SMOKE HANG: {call} did not finish in {SMOKE_LIMIT_S}s (barrier protocol "
+              "deadlock?)", flush=True)
         return "hang"
-    print(f"smoke exit code {done.returncode}", flush=True)
+    print(f"smoke {call}: exit code {done.returncode}", flush=True)
     return "pass" if done.returncode == 0 else "fail"
 
 
@@ -258,13 +274,15 @@ def main() -> None:
         return
     print("default plan at D=128, block_size=128:",
           attention.attention_plan(128, 128, jnp.bfloat16, 128, with_lse=False), flush=True)
-    outcome = "skipped" if args.no_smoke else smoke()
+    outcome = "skipped" if args.no_smoke else smoke("check_case(*SMALL_CASES[0])")
     if outcome == "hang":
         return
     if outcome == "fail":
         print("smoke failed: running the small cases anyway for their errors", flush=True)
         args.skip_large = True
-    run_small()
+    keys_in_use = "skipped" if args.no_smoke else smoke(
+        "check_case(*KEYS_IN_USE_CASES[0][0], **KEYS_IN_USE_CASES[0][1])")
+    run_small(with_keys_in_use=keys_in_use != "hang")
     if not args.skip_large:
         run_large(started)
     print(f"total {time.perf_counter() - started:.0f}s", flush=True)

@@ -14,6 +14,15 @@ supplies the two, for its duration only:
 
 Test-only: it replaces private jax internals, so `unsupported_reason()` says when this jax
 does not have them.
+
+Known stall of the interpreter itself (seen on this project's 2-core CPU machine): it runs
+each simulated warpgroup as a jitted program on its own Python thread, blocked in a host
+callback while it waits on a barrier. Some program shapes then never finish, e.g. several
+calls with k_len (keys in use) given, causal or not, while the same kernel inputs finish on
+other paths; the stuck threads are two waiting on barriers and two inside XLA's execute,
+which points at XLA's CPU thread pool (2 threads here) held by the blocked callbacks. The
+cases in tests/test_mosaic_attention.py run; k_len is covered there by the CPU walk of the
+key-tile lists, the CUDA lowering and the GPU tests.
 """
 
 from __future__ import annotations

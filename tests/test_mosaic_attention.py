@@ -28,16 +28,18 @@ needs_hopper = pytest.mark.skipif(mosaic.available() is not None,
                                   reason=str(mosaic.available()))
 
 
-def reference_attention(q, k, v, mask, *, block_size, causal, scale):
-    """float64 out [B, Hq, Lq, D] and lse [B, Hq, Lq] of section 6 (dense, mask expanded)."""
+def reference_attention(q, k, v, mask, *, block_size, causal, scale, keys_in_use=None):
+    """float64 out [B, Hq, Lq, D] and lse [B, Hq, Lq] of section 6 (dense, mask expanded),
+    n = `keys_in_use` (default Lk) keys in use."""
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     q_len, k_len = q.shape[2], k.shape[2]
+    n = k_len if keys_in_use is None else keys_in_use
     rows, keys = np.arange(q_len)[:, None], np.arange(k_len)[None, :]
-    allowed = np.asarray(mask)[:, :, rows // block_size, keys // block_size]
+    allowed = np.asarray(mask)[:, :, rows // block_size, keys // block_size] & (keys < n)
     if causal:
-        allowed = allowed & (keys <= rows + k_len - q_len)
+        allowed = allowed & (keys <= rows + n - q_len)
     return _masked_softmax_attention(np.einsum("bhid,bhjd->bhij", q, k) * scale, allowed, v)
 
 
@@ -60,8 +62,9 @@ def walk_key_tiles(q, k, v, lists, *, plan: AttentionPlan, causal, scale):
     listed tiles only, masked per element only past the warpgroup's unmasked prefix."""
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     tiles, counts = np.asarray(lists.tiles), np.asarray(lists.counts)
+    offset, keys_in_use = (int(x) for x in np.asarray(lists.bounds))
     batch, heads, q_len, dim = q.shape
-    k_len, group = k.shape[2], heads // k.shape[1]
+    group = heads // k.shape[1]
     bq, bkv = plan.block_q, plan.block_kv
     num_ctas, num_tiles = tiles.shape[2], tiles.shape[3]
     pad = lambda x, n: np.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
@@ -75,7 +78,7 @@ def walk_key_tiles(q, k, v, lists, *, plan: AttentionPlan, causal, scale):
         listed = tiles[b, h, c, :counts[b, h, c, 0]]
         keys = (listed[:, None] * bkv + np.arange(bkv)).reshape(-1)
         masked = np.repeat(np.arange(listed.size) >= counts[b, h, c, 1 + w], bkv)
-        visible = keys[None, :] <= rows + k_len - q_len if causal else keys[None, :] < k_len
+        visible = keys[None, :] <= rows + offset if causal else keys[None, :] < keys_in_use
         allowed = ~masked[None, :] | visible
         kv = h // group
         scores = q[b, h, row0:row0 + bq] @ k[b, kv, keys].T * scale
@@ -94,30 +97,35 @@ def _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size, density
     return q, k, v, mask
 
 
-# (batch, heads, kv_heads, Lq, Lk, block_size, density): square, Lq < Lk, Lq > Lk, odd
-# lengths, 256-blocks (two key tiles each), a mask with whole empty rows.
+# (batch, heads, kv_heads, Lq, Lk, block_size, density, keys in use): square, Lq < Lk,
+# Lq > Lk, odd lengths, 256-blocks (two key tiles each), a mask with whole empty rows,
+# fewer keys in use than Lk.
 WALK_CASES = [
-    (1, 2, 1, 256, 256, 128, 1.0),
-    (1, 2, 2, 384, 640, 128, 0.5),
-    (2, 4, 2, 300, 200, 128, 0.6),
-    (1, 2, 1, 200, 461, 256, 0.5),
-    (1, 1, 1, 517, 517, 128, 0.2),
+    (1, 2, 1, 256, 256, 128, 1.0, None),
+    (1, 2, 2, 384, 640, 128, 0.5, None),
+    (2, 4, 2, 300, 200, 128, 0.6, None),
+    (1, 2, 1, 200, 461, 256, 0.5, None),
+    (1, 1, 1, 517, 517, 128, 0.2, None),
+    (1, 2, 1, 200, 700, 128, 0.7, 333),
+    (1, 2, 2, 128, 512, 256, 0.8, 400),
 ]
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", WALK_CASES)
 def test_key_tile_walk_equals_reference(rand, case, causal):
-    batch, heads, kv_heads, q_len, k_len, block_size, density = case
+    batch, heads, kv_heads, q_len, k_len, block_size, density, keys_in_use = case
     dim = 64
     q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
                             density, dtype=jnp.float32)
     plan = attention.attention_plan(dim, dim, jnp.bfloat16, block_size, with_lse=True)
     lists = attention.key_tile_lists(mask, q_len=q_len, k_len=k_len,
-                                     block_size=block_size, causal=causal, plan=plan)
+                                     block_size=block_size, causal=causal, plan=plan,
+                                     keys_in_use=keys_in_use)
     scale = dim ** -0.5
     want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
-                                             causal=causal, scale=scale)
+                                             causal=causal, scale=scale,
+                                             keys_in_use=keys_in_use)
     got_out, got_lse = walk_key_tiles(q, k, v, lists, plan=plan, causal=causal, scale=scale)
     np.testing.assert_allclose(got_out, want_out, rtol=1e-9, atol=1e-9, err_msg=str(rand))
     np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse), str(rand))
@@ -194,12 +202,38 @@ def test_kernel_equals_reference(rand, case, causal):
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:3]
     want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
                                              causal=causal, scale=dim ** -0.5)
-    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=2e-2, rtol=2e-2,
-                               err_msg=str(rand))
-    lse = np.asarray(lse)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse), str(rand))
+    _assert_close(out, lse, want_out, want_lse, str(rand))
+
+
+def _assert_close(out, lse, want_out, want_lse, msg):
+    """out within bfloat16 rounding, lse within 1e-2, -inf exactly where the reference's."""
+    out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse)
+    np.testing.assert_allclose(out, want_out, atol=2e-2, rtol=2e-2, err_msg=msg)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse), msg)
     finite = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-2, err_msg=str(rand))
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-2, err_msg=msg)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_keys_in_use_traced(rand, causal):
+    """k_len as a traced int32: one compilation serves several key counts n; keys from n
+    on are hidden and row i sits at key i + n - Lq."""
+    q, k, v, mask = _inputs(rand, 1, 4, 2, 256, 1024, 128, 128, 0.7)
+
+    @jax.jit
+    def attend(q, k, v, mask, keys_in_use):
+        return attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=causal,
+                                                return_lse=True, k_len=keys_in_use)
+
+    for keys_in_use in (300, 701, 1024):
+        out, lse = attend(q, k, v, mask, jnp.int32(keys_in_use))
+        want_out, want_lse = reference_attention(q, k, v, mask, block_size=128,
+                                                 causal=causal, scale=128 ** -0.5,
+                                                 keys_in_use=keys_in_use)
+        _assert_close(out, lse, want_out, want_lse, f"n={keys_in_use} {rand}")
+    assert attend._cache_size() == 1
 
 
 @pytest.mark.gpu
@@ -228,6 +262,8 @@ def _mosaic_gpu_import_error() -> str | None:
     (700, 300, 64, 256, True, True, {}),
     (512, 512, 256, 128, True, False, {}),
     (1024, 1024, 128, 128, True, False, {"block_kv": 64, "stages": 3}),
+    (256, 1024, 128, 128, True, True, {"k_len": 700}),
+    (256, 1024, 128, 128, False, True, {"k_len": 517}),
 ])
 def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_lse, plan):
     """Without a GPU: Mosaic GPU's lowering (layout inference included, for sm_90) accepts
@@ -245,8 +281,8 @@ def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_ls
     assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
 
 
-# (batch, heads, kv_heads, Lq, Lk, dim, block_size, density, causal, plan): shapes seen by
-# no other test, so that no interpreted trace can be cached for them elsewhere.
+# (batch, heads, kv_heads, Lq, Lk, dim, block_size, density, causal, options): shapes seen
+# by no other test, so that no interpreted trace can be cached for them elsewhere.
 INTERPRET_CASES = [
     (1, 2, 1, 256, 384, 64, 128, 0.7, True, {}),
     (2, 2, 1, 300, 200, 64, 128, 0.6, True, {}),
@@ -262,16 +298,17 @@ INTERPRET_CASES = [
 def test_kernel_in_gpu_interpret_mode(rand, case):
     """The kernel's code (producer, consumers, barriers, lists, masks, empty rows) on CPU:
     equal to the reference up to bfloat16 rounding, no race, every barrier phase seen."""
-    batch, heads, kv_heads, q_len, k_len, dim, block_size, density, causal, plan = case
+    batch, heads, kv_heads, q_len, k_len, dim, block_size, density, causal, options = case
     q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
                             density)
     with mosaic_interpret.interpret_kernel() as races_found:
         out, lse = attention.block_sparse_attention(
-            q, k, v, mask, block_size=block_size, causal=causal, return_lse=True, **plan)
+            q, k, v, mask, block_size=block_size, causal=causal, return_lse=True, **options)
         out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse)
         assert not races_found(), str(rand)
     want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
-                                             causal=causal, scale=dim ** -0.5)
+                                             causal=causal, scale=dim ** -0.5,
+                                             keys_in_use=options.get("k_len"))
     np.testing.assert_allclose(out, want_out, atol=2e-2, rtol=2e-2, err_msg=str(rand))
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse), str(rand))
     finite = np.isfinite(want_lse)

@@ -39,35 +39,41 @@ class KeyTileLists(NamedTuple):
     - tiles int32 [B, Hq, nq, nt]: the key tiles (of `plan.block_kv` keys) the CTA visits,
       ascending, first in each row; the entries past `counts[..., 0]` are never read;
     - counts int32 [B, Hq, nq, 1 + W]: [number of tiles to visit, then per consumer
-      warpgroup w the number of leading ones that need no per-element mask].
+      warpgroup w the number of leading ones that need no per-element mask];
+    - bounds int32 [2]: (n - Lq, n), n the keys in use: query row i sits at key position
+      i + n - Lq, and keys from n on are hidden.
 
     nq = ceil(Lq / rows_per_cta), nt = ceil(Lk / block_kv), W = compute warpgroups.
     """
 
     tiles: jax.Array
     counts: jax.Array
+    bounds: jax.Array
 
 
 def key_tile_lists(mask: jax.Array, *, q_len: int, k_len: int, block_size: int,
-                   causal: bool, plan: AttentionPlan) -> KeyTileLists:
+                   causal: bool, plan: AttentionPlan, keys_in_use=None) -> KeyTileLists:
     """The kernel's walk over `mask` bool [B, Hq, ceil(Lq/bs), ceil(Lk/bs)].
 
-    A CTA visits key tile t iff its mask block (row c*rows//bs, column t*block_kv//bs) is
-    set and, with `causal`, the tile starts at or before the key position of the CTA's last
-    row (query row i sits at key i + Lk - Lq). A visited tile needs no per-element mask for
-    warpgroup w iff every key of it is visible to every row of w: with `causal`, it ends at
-    or before the key position of w's first row; without, it ends at or before Lk.
+    `keys_in_use` n: None (n = Lk) or an int32 scalar (may be traced), Lq <= n <= Lk. A CTA
+    visits key tile t iff its mask block (row c*rows//bs, column t*block_kv//bs) is set,
+    the tile starts before n and, with `causal`, at or before the key position of the
+    CTA's last row (query row i sits at key i + n - Lq). A visited tile needs no
+    per-element mask for warpgroup w iff every key of it is visible to every row of w:
+    with `causal`, it ends at or before the key position of w's first row; without, it
+    ends at or before n.
     """
     rows, block_q, block_kv = plan.rows_per_cta, plan.block_q, plan.block_kv
     num_ctas = -(-q_len // rows)
     num_tiles = -(-k_len // block_kv)
-    offset = k_len - q_len
+    keys_in_use = jnp.asarray(k_len if keys_in_use is None else keys_in_use, jnp.int32)
+    offset = keys_in_use - q_len
     cta_row = jnp.arange(num_ctas, dtype=jnp.int32) * rows
     tile_key = jnp.arange(num_tiles, dtype=jnp.int32) * block_kv
     visit = mask.astype(bool)[:, :, cta_row // block_size]
-    visit = visit[:, :, :, tile_key // block_size]
+    visit = visit[:, :, :, tile_key // block_size] & (tile_key < keys_in_use)
     if causal:
-        last_position = cta_row + (rows - 1 + offset)
+        last_position = cta_row + (rows - 1) + offset
         visit = visit & (tile_key[None, :] <= last_position[:, None])
     tiles = jnp.argsort(~visit, axis=-1, stable=True).astype(jnp.int32)
     warpgroup_row = (cta_row[:, None]
@@ -75,13 +81,13 @@ def key_tile_lists(mask: jax.Array, *, q_len: int, k_len: int, block_size: int,
     if causal:  # tiles below this index end at or before the warpgroup's first position
         unmasked_below = jnp.floor_divide(warpgroup_row + offset + 1, block_kv)
     else:
-        unmasked_below = jnp.full_like(warpgroup_row, k_len // block_kv)
+        unmasked_below = jnp.broadcast_to(keys_in_use // block_kv, warpgroup_row.shape)
     tile_index = jnp.arange(num_tiles, dtype=jnp.int32)
     unmasked = visit[..., None, :] & (tile_index < unmasked_below[..., None])
     counts = jnp.concatenate(
         [visit.sum(-1, dtype=jnp.int32)[..., None], unmasked.sum(-1, dtype=jnp.int32)],
         axis=-1)
-    return KeyTileLists(tiles=tiles, counts=counts)
+    return KeyTileLists(tiles=tiles, counts=counts, bounds=jnp.stack([offset, keys_in_use]))
 
 
 def _pad_axis(x: jax.Array, axis: int, length: int) -> jax.Array:
@@ -97,14 +103,15 @@ def _pad_axis(x: jax.Array, axis: int, length: int) -> jax.Array:
                                              "block_kv", "stages"))
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                            block_size: int, causal: bool, scale: float | None = None,
-                           return_lse: bool = False, block_kv: int | None = None,
-                           stages: int | None = None):
+                           return_lse: bool = False, k_len=None,
+                           block_kv: int | None = None, stages: int | None = None):
     """out[b, h, i] = softmax over allowed j of (scale q[b,h,i].k[b,g(h),j]) applied to v.
 
     q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (bfloat16 or float16, one dtype), mask bool
     [B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]; g(h) = h // (Hq/Hkv). Key j is
-    allowed for query row i iff mask[b, h, i//bs, j//bs] and, with `causal`,
-    j <= i + Lk - Lq. Softmax in float32; `scale` defaults to 1/sqrt(D) and must be > 0.
+    allowed for query row i iff mask[b, h, i//bs, j//bs], j < n and, with `causal`,
+    j <= i + n - Lq, n = `k_len` the keys in use: None (n = Lk) or an int or int32 scalar
+    (may be traced: no recompilation), Lq <= n <= Lk (the caller's part). Softmax in float32; `scale` defaults to 1/sqrt(D) and must be > 0.
     Returns out [B, Hq, Lq, D] in q's dtype, and with `return_lse` also lse float32
     [B, Hq, Lq] (natural log; -inf where a row has no allowed key, whose out is 0).
 
@@ -114,7 +121,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     then falls back to the reference. `block_kv`/`stages` override the plan (tuning only).
     """
     batch, q_heads, q_len, head_dim = q.shape
-    k_len = k.shape[2]
+    k_len, keys_in_use = k.shape[2], k_len
     plan = attention_plan(head_dim, v.shape[-1], q.dtype, block_size,
                           with_lse=return_lse, block_kv=block_kv, stages=stages)
     if scale is None:
@@ -122,13 +129,13 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     from xattn_jax.mosaic import kernel  # imports Mosaic GPU: only where it can run
 
     lists = key_tile_lists(mask, q_len=q_len, k_len=k_len, block_size=block_size,
-                           causal=causal, plan=plan)
+                           causal=causal, plan=plan, keys_in_use=keys_in_use)
     q_rows = lists.tiles.shape[2] * plan.rows_per_cta
     k_rows = lists.tiles.shape[3] * plan.block_kv
     out, lse = kernel.attention_call(
         _pad_axis(q, 2, q_rows), _pad_axis(k, 2, k_rows), _pad_axis(v, 2, k_rows),
-        lists.tiles, lists.counts, plan=plan, k_len=k_len, offset=k_len - q_len,
-        causal=causal, scale=float(scale), return_lse=return_lse)
+        lists.tiles, lists.counts, lists.bounds, plan=plan, causal=causal,
+        scale=float(scale), return_lse=return_lse)
     out = out[:, :, :q_len]
     if return_lse:
         return out, lse[:, :, :q_len]

@@ -17,7 +17,8 @@ Consumers: per step, s = q.k^T (wgmma), online softmax in float32, acc += p.v (w
 two-arrival barrier (`mma_turn`) makes the consumers take turns: while one warpgroup runs
 its softmax, the other one's matmuls run on the tensor cores. Warpgroup 1 takes one turn
 before its loop and warpgroup 0 one after, so both walk the same list in alternation.
-Tiles that cross the causal diagonal of a warpgroup (or hold keys >= Lk without causal)
+Tiles that cross the causal diagonal of a warpgroup (or, without causal, hold keys >= n,
+the keys in use: Lk unless given)
 come last in the list and are the only ones masked per element.
 
 Softmax: m is kept in log2 units (scores times scale*log2(e)) and starts at a finite
@@ -54,13 +55,14 @@ def _tile_transforms(dtype) -> tuple:
     return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
-def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, buffers,
+def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, out_ref, lse_ref,
+                 buffers,
                  q_ready, k_ready, v_ready, k_free, v_free, mma_turn,
-                 *, plan: AttentionPlan, num_ctas: int, group: int, k_len: int,
-                 offset: int, causal: bool, scale: float):
-    """Refs: q/out [B, Hq, Lq_pad, D], k/v [B, Hkv, Lk_pad, D], tiles [B, Hq, nq, nt] and
-    counts [B, Hq, nq, 1 + W] int32, lse [B, Hq, Lq_pad] f32 or None. `offset` = Lk - Lq
-    (unpadded): query row i sits at key position i + offset."""
+                 *, plan: AttentionPlan, num_ctas: int, group: int, causal: bool,
+                 scale: float):
+    """Refs: q/out [B, Hq, Lq_pad, D], k/v [B, Hkv, Lk_pad, D], tiles [B, Hq, nq, nt],
+    counts [B, Hq, nq, 1 + W] and bounds [2] = (n - Lq, n) int32 (n keys in use: query row
+    i sits at key position i + n - Lq), lse [B, Hq, Lq_pad] f32 or None."""
     q_smem, k_smem, v_smem, lse_smem = buffers
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -81,6 +83,8 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, b
         plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_tile,
                                 q_ready.at[wg])
         num_unmasked = counts_ref[batch, head, cta, 1 + wg]
+        # causal: the key position of query row 0; else: the first hidden key
+        key_bound = bounds_ref[0] if causal else bounds_ref[1]
         plgpu.barrier_wait(q_ready.at[wg])
         scale_log2 = scale * LOG2_E
 
@@ -103,9 +107,9 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, b
                 cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
                                               layout=plgpu.Layout.WGMMA)
                 if causal:  # key key0 + c visible to row row0 + r iff c <= r + pos - key0
-                    visible = (rows + (row0 + offset - key0)) >= cols
-                else:  # only the keys past Lk of the last tile are hidden
-                    visible = (cols + key0) < k_len
+                    visible = (rows + (row0 + key_bound - key0)) >= cols
+                else:  # only the keys from n on are hidden
+                    visible = (cols + key0) < key_bound
                 s = jnp.where(visible, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
             alpha = jnp.exp2(m - m_new)
@@ -202,12 +206,12 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, out_ref, lse_ref, b
             plgpu.barrier_wait(v_free.at[slot])
 
 
-def attention_call(q, k, v, tiles, counts, *, plan: AttentionPlan, k_len: int,
-                   offset: int, causal: bool, scale: float, return_lse: bool):
+def attention_call(q, k, v, tiles, counts, bounds, *, plan: AttentionPlan, causal: bool,
+                   scale: float, return_lse: bool):
     """Runs the kernel on padded operands: q [B, Hq, Lq_pad, D] with Lq_pad a multiple of
     `plan.rows_per_cta`, k/v [B, Hkv, Lk_pad, D] with Lk_pad a multiple of `plan.block_kv`,
-    tiles/counts from `key_tile_lists`. Returns out [B, Hq, Lq_pad, D] in q's dtype and lse
-    [B, Hq, Lq_pad] float32 (None unless `return_lse`)."""
+    tiles/counts/bounds from `key_tile_lists`. Returns out [B, Hq, Lq_pad, D] in q's dtype
+    and lse [B, Hq, Lq_pad] float32 (None unless `return_lse`)."""
     batch, q_heads, q_rows, head_dim = q.shape
     kv_heads = k.shape[1]
     num_ctas = q_rows // plan.rows_per_cta
@@ -233,7 +237,7 @@ def attention_call(q, k, v, tiles, counts, *, plan: AttentionPlan, k_len: int,
     )
     body = functools.partial(
         _kernel_body, plan=plan, num_ctas=num_ctas, group=q_heads // kv_heads,
-        k_len=k_len, offset=offset, causal=causal, scale=scale)
+        causal=causal, scale=scale)
     out, lse = plgpu.kernel(
         body,
         out_type=out_type,
@@ -243,5 +247,5 @@ def attention_call(q, k, v, tiles, counts, *, plan: AttentionPlan, k_len: int,
         num_threads=warpgroups + 1,
         thread_name=WG_AXIS,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, tiles, counts)
+    )(q, k, v, tiles, counts, bounds)
     return out, lse
