@@ -435,16 +435,16 @@ def test_impl_choice(monkeypatch):
     kernel's availability and cache support stubbed."""
     gpu = types.SimpleNamespace(platform="gpu")
 
-    def choose(impl, device=gpu, cache=False):
-        return impls.resolve(impl, op=impls.ATTENTION, device=device, cache=cache).name
+    def choose(impl, device=gpu, paged=False):
+        return impls.resolve(impl, op=impls.ATTENTION, device=device, paged=paged).name
 
     monkeypatch.setattr(mosaic, "available", lambda device=None: None)
-    monkeypatch.setattr(mosaic, "TAKES_CACHE", False)
+    monkeypatch.setattr(mosaic, "TAKES_PAGES", False)
     assert choose("auto") == choose("mosaic") == "mosaic"
     assert choose("reference") == "reference"
-    assert choose("auto", cache=True) == "reference"
-    with pytest.raises(ValueError, match="neither k_len nor a paged cache"):
-        choose("mosaic", cache=True)
+    assert choose("auto", paged=True) == "reference"
+    with pytest.raises(ValueError, match="does not read paged caches"):
+        choose("mosaic", paged=True)
     with pytest.raises(ValueError, match="no block-sparse attention kernel"):
         choose("triton")
     monkeypatch.setattr(mosaic, "available", lambda device=None: "needs a Hopper GPU")

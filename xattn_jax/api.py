@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import impls, partitioning
-from xattn_jax.checks import (check_block_sums, check_flag, check_norm, check_qk,
-                              check_scratch_bytes, threshold_per_head)
+from xattn_jax.checks import (CheckedCalls, check_block_sums, check_flag, check_norm,
+                              check_qk, check_scratch_bytes, threshold_per_head)
 from xattn_jax.geometry import Geometry
 from xattn_jax.impls import Implementation
 
 QK_LAYOUTS = ("B H ...", "B K ...")  # q, k (`partitioning.on_shards`)
+_ESTIMATE_CALLS = CheckedCalls()  # xattn_estimate's prepared calls
 
 
 def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float = 1.0,
@@ -62,7 +63,8 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
 @functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent", "impl"))
 def _select(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool,
             impl: Implementation):
-    return impl.select_blocks(sums.astype(jnp.float32), threshold, causal=causal, keep_sink=keep_sink,
+    return impl.select_blocks(sums.astype(jnp.float32), threshold, causal=causal,
+                              keep_sink=keep_sink,
                               keep_recent=keep_recent)
 
 
@@ -124,12 +126,19 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     or -inf (that key gets weight 0, like a masked key; the row stays finite), by the sign
     of the matching q entry.
     """
-    geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
-    t = threshold_per_head(threshold, geom.q_heads)
-    run = partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), geom=geom,
-                                 causal=check_flag("causal", causal), norm=check_norm(norm),
-                                 keep_sink=check_flag("keep_sink", keep_sink),
-                                 keep_recent=check_flag("keep_recent", keep_recent),
-                                 impl=impls.resolve(impl, q, k),
-                                 max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
-    return run(q, k, t)
+    options = dict(block_size=block_size, stride=stride, causal=causal, norm=norm,
+                   keep_sink=keep_sink, keep_recent=keep_recent, impl=impl,
+                   max_scratch_bytes=max_scratch_bytes)
+    key = _ESTIMATE_CALLS.signature((q, k), options)
+    run = _ESTIMATE_CALLS.get(key)
+    if run is None:
+        geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
+        run = partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), geom=geom,
+                                     causal=check_flag("causal", causal),
+                                     norm=check_norm(norm),
+                                     keep_sink=check_flag("keep_sink", keep_sink),
+                                     keep_recent=check_flag("keep_recent", keep_recent),
+                                     impl=impls.resolve(impl, q, k),
+                                     max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
+        _ESTIMATE_CALLS.put(key, run)
+    return run(q, k, threshold_per_head(threshold, q.shape[1]))

@@ -162,8 +162,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     _check_mask(mask, geom, block_size)
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
-    impl = impls.resolve(impl, q, op=impls.ATTENTION,
-                         cache=table is not None or key_count is not None,
+    impl = impls.resolve(impl, q, op=impls.ATTENTION, paged=table is not None,
                          attention_args=(q.shape[-1], v.shape[-1], q.dtype, geom.block_size))
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),

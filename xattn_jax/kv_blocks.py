@@ -23,14 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import impls, partitioning, reference
-from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_float_array,
-                              check_kv_sizes, check_norm, check_qk, key_len, kv_groups,
-                              scalar_threshold, valid_counts)
+from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_flag,
+                              check_float_array, check_kv_sizes, check_norm, check_qk,
+                              key_len, kv_groups, scalar_threshold, valid_counts)
 from xattn_jax.geometry import Geometry
 from xattn_jax.impls import Implementation
 
 RULES = ("score", "vote")
 EMPTY_BLOCK = -1.0  # the score of a KV block that holds no key (a real share is >= 0)
+_KV_SCORE_CALLS = CheckedCalls()  # kv_block_scores' prepared calls (no block table)
 
 
 def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -88,16 +89,25 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     k_len below 1 makes every block EMPTY_BLOCK; k_len past the capacity counts as the
     capacity; page ids outside [0, num_pages) are clamped into it (page 0 or the last page).
     """
-    check_kv_sizes(kv_block_size, estimate_block_size, stride)
-    keys, table = cached_keys(q, k, block_table)
-    geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
-    layouts = ("B H ...", "B K ..." if table is None else ". . K .", "", "B ...")
-    run = partitioning.on_shards(
-        _kv_scores, layouts, geom=geom, norm=check_norm(norm),
-        per_kv_block=kv_block_size // estimate_block_size,
-        per_query_block=check_flag("per_query_block", per_query_block),
-        impl=impls.resolve(impl, q, k))
-    return run(q, k, key_len(k_len, geom.k_len), table)
+    options = dict(kv_block_size=kv_block_size, estimate_block_size=estimate_block_size,
+                   stride=stride, norm=norm, per_query_block=per_query_block, impl=impl)
+    # a block table's page ids are checked on every call: no signature with one
+    key = None if block_table is not None else _KV_SCORE_CALLS.signature((q, k), options)
+    prepared = _KV_SCORE_CALLS.get(key)
+    if prepared is None:
+        check_kv_sizes(kv_block_size, estimate_block_size, stride)
+        keys, table = cached_keys(q, k, block_table)
+        geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
+        layouts = ("B H ...", "B K ..." if table is None else ". . K .", "", "B ...")
+        run = partitioning.on_shards(
+            _kv_scores, layouts, geom=geom, norm=check_norm(norm),
+            per_kv_block=kv_block_size // estimate_block_size,
+            per_query_block=check_flag("per_query_block", per_query_block),
+            impl=impls.resolve(impl, q, k))
+        prepared = (run, geom.k_len, table)
+        _KV_SCORE_CALLS.put(key, prepared)
+    run, capacity, table = prepared
+    return run(q, k, key_len(k_len, capacity), table)
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "groups", "keep_first", "keep_last",
