@@ -18,7 +18,6 @@ import statistics
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402

@@ -4,7 +4,6 @@ the float64 numpy reference (and the Pallas kernels against the JAX reference)."
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax.numpy as jnp

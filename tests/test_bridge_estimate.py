@@ -8,7 +8,6 @@ The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +16,7 @@ torch = pytest.importorskip("torch")
 import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bridge_inputs import CASES, jax_of, qk  # noqa: E402
-from xattn_jax import api, impls  # noqa: E402
+from xattn_jax import impls  # noqa: E402
 from xattn_torch_bridge import estimate  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),

@@ -15,7 +15,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from cache_state import assert_refused, snapshot  # noqa: E402
 from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference  # noqa: E402
