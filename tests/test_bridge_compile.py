@@ -10,10 +10,11 @@ test compiles with inductor on CUDA tensors (`pytest -m gpu tests/test_bridge_co
 from __future__ import annotations
 
 import pytest
-import torch
 
-import xattn_torch_bridge as bridge
-from xattn_torch_bridge import PagedKVCache, XAttentionPolicy
+torch = pytest.importorskip("torch")
+
+import xattn_torch_bridge as bridge  # noqa: E402
+from xattn_torch_bridge import PagedKVCache, XAttentionPolicy  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
                                 reason="needs torch CUDA and JAX's CUDA backend")

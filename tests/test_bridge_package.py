@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib
 
-import xattn_torch_bridge
+import pytest
+
+pytest.importorskip("torch")
+
+import xattn_torch_bridge  # noqa: E402
 
 # Implementation details: importable (tests and callers that know them may use them), but
 # not part of the listed API.
