@@ -1,5 +1,5 @@
 """Block-sparse attention with the Mosaic GPU kernel (xattn_jax.mosaic), against a float64
-numpy reference of ESTIMATE.md section 6.
+numpy reference of docs/estimate.md section 6.
 
 On CPU:
 - the key-tile lists built on the device, walked the way the kernel walks them (listed

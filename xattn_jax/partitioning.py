@@ -11,8 +11,8 @@ a caller's `shard_map`, on that shard_map's local arrays (mesh axes it leaves au
 are XLA's to partition: a Pallas call is gathered over them; the kernels type their
 outputs as varying over their inputs' manual axes, `kernel_output`, so `check_vma` may
 stay on, but for Pallas interpret mode, whose gathers JAX's check refuses there); under
-`jax.vmap`, batched and unpartitioned (sharded operands are then gathered). Meshes with `AxisType.Explicit`
-axes (sharding in types) are not supported.
+`jax.vmap`, batched and unpartitioned (sharded operands are then gathered). Meshes with
+`AxisType.Explicit` axes (sharding in types) are not supported.
 
 Layouts. Each operand of a core is described by a string naming its axes: "B" batch,
 "H" query heads, "K" KV heads (query head h reads KV head h // G, G = Hq / Hkv), "." any

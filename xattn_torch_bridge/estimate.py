@@ -70,7 +70,7 @@ def k_view(k: torch.Tensor, place, copy: bool) -> jax.Array:
 
 def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The XAttention estimate (ESTIMATE.md sections 1-4) of torch tensors.
+    """The XAttention estimate (docs/estimate.md sections 1-4) of torch tensors.
 
     Takes the keyword arguments of `xattn_jax.xattn_estimate` (block_size, stride,
     threshold, causal, norm, keep_sink, keep_recent, impl, max_scratch_bytes) with the same

@@ -1,4 +1,4 @@
-"""XAttention's block selection for chunked prefill over a `PagedKVCache` (ESTIMATE.md
+"""XAttention's block selection for chunked prefill over a `PagedKVCache` (docs/estimate.md
 section 5), computed by `xattn_jax` on the cache's own pages through the zero-copy bridge.
 
 Pages and selection units. The cache's pages (`block_size` tokens: 16 in vLLM, 4096 in

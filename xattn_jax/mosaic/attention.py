@@ -1,5 +1,5 @@
-"""Block-sparse attention on the estimate's mask (ESTIMATE.md section 6) with the Mosaic GPU
-kernel of `xattn_jax.mosaic.kernel` (Hopper, sm_90).
+"""Block-sparse attention on the estimate's mask (docs/estimate.md section 6) with the
+Mosaic GPU kernel of `xattn_jax.mosaic.kernel` (Hopper, sm_90).
 
 `block_sparse_attention` builds, on the device and in plain JAX, one compact list of key
 tiles per (batch, query head, CTA query tile) from the mask (`key_tile_lists`), pads q/k/v
@@ -111,7 +111,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     [B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]; g(h) = h // (Hq/Hkv). Key j is
     allowed for query row i iff mask[b, h, i//bs, j//bs], j < n and, with `causal`,
     j <= i + n - Lq, n = `k_len` the keys in use: None (n = Lk) or an int or int32 scalar
-    (may be traced: no recompilation), Lq <= n <= Lk (the caller's part). Softmax in float32; `scale` defaults to 1/sqrt(D) and must be > 0.
+    (may be traced: no recompilation), Lq <= n <= Lk (the caller's part). Softmax in
+    float32; `scale` defaults to 1/sqrt(D) and must be > 0.
     Returns out [B, Hq, Lq, D] in q's dtype, and with `return_lse` also lse float32
     [B, Hq, Lq] (natural log; -inf where a row has no allowed key, whose out is 0).
 
