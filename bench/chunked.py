@@ -20,7 +20,6 @@ implementation is the reference and the floors mean nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 
 import xattn_torch_bridge  # noqa: F401  first: configures JAX's GPU memory
@@ -28,21 +27,9 @@ import xattn_torch_bridge  # noqa: F401  first: configures JAX's GPU memory
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import (floor_ms, jax_extra_mib, log, markdown_table, record,  # noqa: E402
-                          strided_flops, time_ms, write_json)
+from bench.common import (Sizes, floor_ms, jax_extra_mib, log, markdown_table,  # noqa: E402
+                          record, strided_flops, time_ms, write_json)
 from xattn_jax import kv_block_scores, select_kv_blocks  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    stride: int = 8
-    chunk: int = 4096
-    kv_block: int = 4096
-    estimate_block: int = 1024
-    threshold: float = 0.95
 
 
 FULL = Sizes()

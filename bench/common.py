@@ -6,6 +6,7 @@ matmul at 753 TFLOP/s and a device-to-device copy at 4.25 TB/s.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import platform
@@ -15,6 +16,24 @@ import time
 
 MATMUL_FLOPS = 753e12  # bf16, XLA 8192^3 on the H200
 COPY_BYTES = 4.25e12  # bytes read + written per second on the H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The chunked-prefill benchmarks' sizes (`bench.chunked`, `bench.torch_path`,
+    `bench.multi_gpu`): heads, head dim and stride; a chunk of `chunk` queries over a cache
+    in KV blocks of `kv_block` tokens, estimated at `estimate_block`, selected at
+    `threshold`; `block`, the block size of `bench.multi_gpu`'s estimate rows."""
+
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    stride: int = 8
+    chunk: int = 4096
+    kv_block: int = 4096
+    estimate_block: int = 1024
+    threshold: float = 0.95
+    block: int = 128
 
 
 def log(msg: str) -> None:

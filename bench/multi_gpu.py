@@ -42,6 +42,8 @@ import dataclasses
 import os
 import sys
 
+from bench.common import Sizes  # stdlib only: JAX stays unimported until --smoke's flags
+
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
                "reduce-scatter")
 SMOKE_DEVICES = 4
@@ -53,18 +55,6 @@ class Case:
     k_len: int
     causal: bool = True
     chunked: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    stride: int = 8
-    block: int = 128
-    kv_block: int = 4096
-    estimate_block: int = 1024
-    threshold: float = 0.95
 
 
 FULL = Sizes()

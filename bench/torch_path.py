@@ -55,9 +55,9 @@ import torch  # noqa: E402
 import xattn_jax  # noqa: E402
 
 from bench.bridge_overhead import host_us  # noqa: E402
-from bench.chunked import FULL, SMALL, Sizes, floor_of, kernel_rows, tokens  # noqa: E402
-from bench.common import (floor_ms, log, markdown_table, record, strided_flops,  # noqa: E402
-                          time_ms, write_json)
+from bench.chunked import FULL, SMALL, floor_of, kernel_rows, tokens  # noqa: E402
+from bench.common import (Sizes, floor_ms, log, markdown_table, record,  # noqa: E402
+                          strided_flops, time_ms, write_json)
 
 SELECT_SLACK_MS = 0.12  # select_blocks over the kernel (issue 15)
 HOST_SLACK_MS = 0.04  # eager over pre-jitted; bridged over plain host time

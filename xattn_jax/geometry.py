@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (Triton tiles must have power-of-two sizes)."""
     return 1 << max(0, (n - 1).bit_length())
