@@ -81,6 +81,21 @@ class Rand:
     def thresholds(self, heads: int, low: float = 0.3, high: float = 0.98) -> jax.Array:
         return jnp.asarray(self.rng.uniform(low, high, heads), jnp.float32)
 
+    def paged(self, page_size: int, *caches, spare_pages: int = 3):
+        """Contiguous caches `[B, H, L, last]` (L a multiple of page_size; their last
+        dimensions may differ) as page pools `[P, page_size, H, last]` sharing one shuffled
+        block table int32 `[B, L // page_size]`; the pool's spare pages hold NaN.
+        Returns (*pools, table)."""
+        b, h, length = caches[0].shape[:3]
+        per_seq = length // page_size
+        pool_size = b * per_seq + spare_pages
+        table = self.rng.permutation(pool_size)[:b * per_seq].reshape(b, per_seq)
+        pools = []
+        for x in caches:
+            pages = x.reshape(b, h, per_seq, page_size, -1).transpose(0, 2, 3, 1, 4)
+            pool = jnp.full((pool_size,) + pages.shape[2:], jnp.nan, x.dtype)
+            pools.append(pool.at[table.reshape(-1)].set(pages.reshape(-1, *pages.shape[2:])))
+        return (*pools, jnp.asarray(table, jnp.int32))
 
 
 def new_seed() -> int:

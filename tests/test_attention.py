@@ -237,29 +237,12 @@ def test_minus_inf_score_is_weight_zero(rand):
 
 # --- paged and padded caches -----------------------------------------------------------
 
-def _paged(rand, x, page_size: int, spare_pages: int = 3):
-    """x `[B, H, L, last]` (L a multiple of page_size) as a shuffled page pool
-    `[P, page_size, H, last]` with NaN spare pages, and its block table."""
-    b, h, length, last = x.shape
-    per_seq = length // page_size
-    pool_size = b * per_seq + spare_pages
-    order = rand.rng.permutation(pool_size)[:b * per_seq].reshape(b, per_seq)
-    pool = jnp.full((pool_size, page_size, h, last), jnp.nan, x.dtype)
-    pages = x.reshape(b, h, per_seq, page_size, last).transpose(0, 2, 3, 1, 4)
-    pool = pool.at[order.reshape(-1)].set(pages.reshape(-1, page_size, h, last))
-    return pool, jnp.asarray(order, jnp.int32)
-
-
 @pytest.mark.parametrize("page_size", [8, 12])
 def test_paged_cache_equals_contiguous(page_size, rand):
     b, hq, hkv, lq, lk, d, dv, bs = 2, 4, 2, 20, 96, 8, 4, 16
     q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
     mask = mask_for(rand, b, hq, lq, lk, bs)
-    k_pages, table = _paged(rand, k, page_size)
-    v_pages, _ = _paged(rand, v, page_size)
-    v_pages = v_pages.at[jnp.asarray(table).reshape(-1)].set(
-        v.reshape(b, hkv, -1, page_size, dv).transpose(0, 2, 3, 1, 4).reshape(
-            -1, page_size, hkv, dv))
+    k_pages, v_pages, table = rand.paged(page_size, k, v)
     for causal in (True, False):
         want = attend(q, k, v, mask, block_size=bs, causal=causal,
                       return_lse=True)
@@ -432,19 +415,22 @@ def test_mosaic_refused_where_unavailable():
 
 def test_impl_choice(monkeypatch):
     """The implementation table's choice for attention (xattn_jax.impls), with the Mosaic
-    kernel's availability and cache support stubbed."""
+    kernel's availability stubbed: pages that are not whole key tiles go to the reference
+    ("auto") or are refused ("mosaic")."""
     gpu = types.SimpleNamespace(platform="gpu")
 
-    def choose(impl, device=gpu, paged=False):
-        return impls.resolve(impl, op=impls.ATTENTION, device=device, paged=paged).name
+    def choose(impl, device=gpu, page_size=None):
+        args = (128, 128, jnp.bfloat16, 128, page_size)  # D, Dv, dtype, block, page
+        return impls.resolve(impl, op=impls.ATTENTION, device=device,
+                             attention_args=args).name
 
     monkeypatch.setattr(mosaic, "available", lambda device=None: None)
-    monkeypatch.setattr(mosaic, "TAKES_PAGES", False)
     assert choose("auto") == choose("mosaic") == "mosaic"
     assert choose("reference") == "reference"
-    assert choose("auto", paged=True) == "reference"
-    with pytest.raises(ValueError, match="does not read paged caches"):
-        choose("mosaic", paged=True)
+    assert choose("auto", page_size=256) == choose("mosaic", page_size=4096) == "mosaic"
+    assert choose("auto", page_size=16) == "reference"
+    with pytest.raises(ValueError, match="pages hold a multiple of its key tile of 128"):
+        choose("mosaic", page_size=64)
     with pytest.raises(ValueError, match="no block-sparse attention kernel"):
         choose("triton")
     monkeypatch.setattr(mosaic, "available", lambda device=None: "needs a Hopper GPU")
@@ -464,6 +450,19 @@ class TestGpu:
         mask = mask_for(rand, 1, 8, lq, lk, 128, density=0.3, empty_rows=0.1)
         got = attend(q, k, v, mask, block_size=128, return_lse=True, impl="auto")
         want = attend(q, k, v, mask, block_size=128, return_lse=True)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                       err_msg=str(rand), **BF16_TOL)
+
+    def test_auto_reads_paged_caches(self, rand):
+        """Pages of whole key tiles: "auto" takes the Mosaic kernel on Hopper, which reads
+        the pages through the block table; the result equals the contiguous reference."""
+        q, k, v = qkv(rand, 2, 8, 2, 1024, 4096, 128, dtype=jnp.bfloat16)
+        mask = mask_for(rand, 2, 8, 1024, 4096, 128, density=0.3, empty_rows=0.1)
+        k_pages, v_pages, table = rand.paged(256, k, v)
+        got = attend(q, k_pages, v_pages, mask, block_size=128, return_lse=True,
+                     block_table=table, k_len=3500, impl="auto")
+        want = attend(q, k, v, mask, block_size=128, return_lse=True, k_len=3500)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                        err_msg=str(rand), **BF16_TOL)

@@ -238,6 +238,31 @@ def test_kernel_keys_in_use_traced(rand, causal):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("page_size", [128, 512, 4096])
+def test_kernel_reads_paged_caches(rand, page_size):
+    """Shuffled pages (NaN in the spare ones) through the block table, a chunk of 512
+    queries at the end of n cached keys (n traced: one compilation), GQA 4:2: equal to
+    the reference on the contiguous cache."""
+    q, k, v, mask = _inputs(rand, 2, 4, 2, 512, 8192, 128, 128, 0.5)
+    k_pages, v_pages, table = rand.paged(page_size, k, v)
+
+    @jax.jit
+    def attend(q, k, v, mask, table, keys_in_use):
+        return attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=True,
+                                                return_lse=True, block_table=table,
+                                                k_len=keys_in_use)
+
+    for keys_in_use in (8192, 5000):
+        out, lse = attend(q, k_pages, v_pages, mask, table, jnp.int32(keys_in_use))
+        want_out, want_lse = reference_attention(q, k, v, mask, block_size=128,
+                                                 causal=True, scale=128 ** -0.5,
+                                                 keys_in_use=keys_in_use)
+        _assert_close(out, lse, want_out, want_lse, f"n={keys_in_use} {rand}")
+    assert attend._cache_size() == 1
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_kernel_is_deterministic_and_lse_is_optional(rand):
     q, k, v, mask = _inputs(rand, 1, 4, 2, 1024, 1024, 128, 128, 0.5)
     first = attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=True)
@@ -281,6 +306,38 @@ def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_ls
     assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.skipif(_mosaic_gpu_import_error() is not None,
+                    reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
+@pytest.mark.parametrize("page_size, causal", [(128, True), (1024, False)])
+def test_paged_kernel_lowers_for_cuda(page_size, causal):
+    """The producer's copies out of pages (a [tile, D] box of one KV head of one page, a
+    strided TMA source) pass Mosaic GPU's lowering."""
+    pages, per_seq = 40, 4096 // page_size
+    q = jax.ShapeDtypeStruct((2, 4, 512, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((pages, page_size, 2, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, per_seq), jnp.int32)
+    mask = jax.ShapeDtypeStruct((2, 4, 4, 32), jnp.bool_)
+
+    def call(q, k, v, mask, table):
+        return attention.block_sparse_attention(q, k, v, mask, block_size=128,
+                                                causal=causal, block_table=table,
+                                                k_len=jnp.int32(3000))
+
+    lowered = jax.jit(call).trace(q, pool, pool, mask, table).lower(
+        lowering_platforms=("cuda",))
+    assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
+
+
+def test_plan_refuses_pages_that_are_not_whole_key_tiles():
+    assert attention.unsupported_reason(128, 128, jnp.bfloat16, 128, 256) is None
+    for page_size in (16, 64, 192):
+        reason = attention.unsupported_reason(128, 128, jnp.bfloat16, 128, page_size)
+        assert reason is not None and f"got page_size {page_size}" in reason
+        with pytest.raises(ValueError, match="multiple of its key tile of 128"):
+            attention.attention_plan(128, 128, jnp.bfloat16, 128, with_lse=False,
+                                     page_size=page_size)
+
+
 # (batch, heads, kv_heads, Lq, Lk, dim, block_size, density, causal, options): shapes seen
 # by no other test, so that no interpreted trace can be cached for them elsewhere.
 INTERPRET_CASES = [
@@ -288,6 +345,7 @@ INTERPRET_CASES = [
     (2, 2, 1, 300, 200, 64, 128, 0.6, True, {}),
     (1, 2, 2, 200, 461, 64, 256, 0.5, False, {}),
     (1, 2, 1, 448, 448, 64, 128, 0.6, True, {"block_kv": 64, "stages": 3}),
+    (2, 2, 1, 200, 512, 64, 128, 0.6, True, {"page_size": 256}),
 ]
 
 
@@ -301,9 +359,14 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
     batch, heads, kv_heads, q_len, k_len, dim, block_size, density, causal, options = case
     q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
                             density)
+    options = dict(options)
+    cache = (k, v)
+    if "page_size" in options:  # the kernel reads shuffled pages with NaN spares
+        *cache, options["block_table"] = rand.paged(options.pop("page_size"), k, v)
     with mosaic_interpret.interpret_kernel() as races_found:
         out, lse = attention.block_sparse_attention(
-            q, k, v, mask, block_size=block_size, causal=causal, return_lse=True, **options)
+            q, *cache, mask, block_size=block_size, causal=causal, return_lse=True,
+            **options)
         out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse)
         assert not races_found(), str(rand)
     want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,

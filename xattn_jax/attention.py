@@ -143,8 +143,10 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
         is the same: the chunk's queries are the last Lq of the n cached keys (the chunk's
         own keys written to the cache's end); causal=False lets each query see every key
         in use, the usual reading for a chunk that follows its context.
-      impl: "auto", "reference", "mosaic" or "triton" (module docstring). A kernel may
-        refuse pages smaller than its key tile.
+      impl: "auto", "reference", "mosaic" or "triton" (module docstring). The Mosaic
+        kernel reads paged caches whose pages hold a multiple of its key tile (128 tokens
+        at D 64 and 128, 64 at D 256): "mosaic" refuses other pages with a ValueError that
+        says so, and "auto" uses the reference for them.
 
     Returns:
       out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. Softmax in
@@ -162,8 +164,10 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     _check_mask(mask, geom, block_size)
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
-    impl = impls.resolve(impl, q, op=impls.ATTENTION, paged=table is not None,
-                         attention_args=(q.shape[-1], v.shape[-1], q.dtype, geom.block_size))
+    page_size = None if table is None else k.shape[1]
+    impl = impls.resolve(impl, q, op=impls.ATTENTION,
+                         attention_args=(q.shape[-1], v.shape[-1], q.dtype, geom.block_size,
+                                         page_size))
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
                                  impl=impl, block_size=geom.block_size,
@@ -217,7 +221,7 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
     t = threshold_per_head(threshold, geom.q_heads)
     attention_impl = impls.resolve(impl, q, op=impls.ATTENTION,
                                    attention_args=(q.shape[-1], v.shape[-1], q.dtype,
-                                                   geom.block_size))
+                                                   geom.block_size, None))
     estimate_impl = impls.resolve("reference" if impl == "reference" else "auto", q)
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,

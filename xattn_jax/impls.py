@@ -9,7 +9,8 @@ and nowhere else.
   GPUs (H100, H200). Block-sparse attention; no estimate kernels yet.
 - "auto": the best of these for the device the inputs live on: for the estimate
   "triton" on a GPU, "reference" elsewhere; for attention "mosaic" where it can run
-  (and takes the call's arguments: no paged caches), else "reference".
+  and takes the call's arguments (dtype, head dim, block size, page size), else
+  "reference".
 
 The device is that of the first concrete `jax.Array` among the inputs; inside a trace
 (a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend
@@ -103,15 +104,15 @@ def _platform(device: jax.Device | None) -> str:
 
 
 def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
-            device: jax.Device | None = None, paged: bool = False,
+            device: jax.Device | None = None,
             attention_args: tuple | None = None) -> Implementation:
     """The implementation of the ops of family `op` (ESTIMATE or ATTENTION) that `impl`
     names, for inputs `arrays` (or for `device`, where given). An `Implementation` from
     an earlier `resolve` is returned as it is: a caller that traces the public functions
     in its own jit, where the inputs have no device yet, pins the implementation of the
-    device they will run on this way. paged: the attention call reads paged caches
-    (`block_table`); attention_args: its (head_dim, value_dim, dtype,
-    block_size), which a kernel may not take (`mosaic.attention.unsupported_reason`).
+    device they will run on this way. attention_args: the attention call's (head_dim,
+    value_dim, dtype, block_size, page_size), page_size None for contiguous k and v, which
+    a kernel may not take (`mosaic.plan.unsupported_reason`).
 
     A ValueError for a name not in IMPLS, and for an implementation that has no kernel
     for `op` or cannot run on the device: the message says what it needs.
@@ -123,7 +124,7 @@ def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
     device = device or device_of(*arrays)
     on_gpu = _platform(device) == "gpu"
     if op == ATTENTION:
-        return _resolve_attention(impl, device, paged, attention_args)
+        return _resolve_attention(impl, device, attention_args)
     if impl == "mosaic":
         reason = mosaic.available(device)
         raise ValueError(reason or "impl='mosaic' has no kernels for the estimate yet "
@@ -134,16 +135,13 @@ def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
     return Implementation("triton", interpret=not on_gpu)
 
 
-def _resolve_attention(impl: str, device, paged: bool,
-                       attention_args: tuple | None) -> Implementation:
+def _resolve_attention(impl: str, device, attention_args: tuple | None) -> Implementation:
     if impl == "triton":
         raise ValueError("impl='triton' has no block-sparse attention kernel; use "
                          "'reference', 'mosaic' (Hopper) or 'auto'")
     if impl == "reference":
         return Implementation("reference")
     reason = mosaic.available(device)
-    if reason is None and paged and not mosaic.TAKES_PAGES:
-        reason = "impl='mosaic': its attention kernel does not read paged caches"
     if reason is None and attention_args is not None:
         from xattn_jax.mosaic.plan import unsupported_reason  # plain Python, no Mosaic GPU
         reason = unsupported_reason(*attention_args)

@@ -12,7 +12,6 @@ import importlib
 import jax
 
 HOPPER_MAJOR = 9
-TAKES_PAGES = False  # whether the attention kernel reads paged caches (it takes k_len)
 # The Mosaic GPU names the kernel uses; an older jax lacking one cannot run it.
 _MOSAIC_API = ("kernel", "CompilerParams", "SMEM", "Barrier", "ACC", "Layout",
                "TilingTransform", "SwizzleTransform", "copy_gmem_to_smem",

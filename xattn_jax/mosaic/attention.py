@@ -10,8 +10,9 @@ on a device, `unsupported_reason(D, Dv, dtype, block_size)` whether it takes the
 a caller choosing an implementation ("auto") falls back to the reference when either is
 not None, as `block_sparse_attention` raises ValueError for such arguments.
 
-Padding cost: when Lq is not a multiple of `plan.rows_per_cta` (128) or Lk not a multiple of
-`plan.block_kv`, q (resp. k and v) are copied once into padded arrays (jnp.pad) and the
+Paged caches (`block_table`) are read in place; their pages must hold a multiple of
+`plan.block_kv` tokens. Padding cost: when Lq is not a multiple of `plan.rows_per_cta` (128)
+or a contiguous Lk not a multiple of `plan.block_kv`, q (resp. k and v) are copied once into padded arrays (jnp.pad) and the
 output slice is one more copy: a memory pass over q, k, v and out, small next to the
 attention itself at the lengths this kernel is for. Padded keys are masked in the kernel;
 padded query rows are computed and dropped.
@@ -103,11 +104,14 @@ def _pad_axis(x: jax.Array, axis: int, length: int) -> jax.Array:
                                              "block_kv", "stages"))
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                            block_size: int, causal: bool, scale: float | None = None,
-                           return_lse: bool = False, k_len=None,
+                           return_lse: bool = False, k_len=None, block_table=None,
                            block_kv: int | None = None, stages: int | None = None):
     """out[b, h, i] = softmax over allowed j of (scale q[b,h,i].k[b,g(h),j]) applied to v.
 
-    q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (bfloat16 or float16, one dtype), mask bool
+    q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (bfloat16 or float16, one dtype), or paged
+    caches [num_pages, page_size, Hkv, D] with `block_table` int32 [B, pages_per_seq]
+    (Lk = pages_per_seq * page_size; ids outside [0, num_pages) are clamped into it; read
+    in place), mask bool
     [B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]; g(h) = h // (Hq/Hkv). Key j is
     allowed for query row i iff mask[b, h, i//bs, j//bs], j < n and, with `causal`,
     j <= i + n - Lq, n = `k_len` the keys in use: None (n = Lk) or an int or int32 scalar
@@ -118,13 +122,16 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
 
     Arguments are assumed checked by the public entry point (shapes, dtypes, mask). Raises
     ValueError when the kernel does not support them (`unsupported_reason`: dtype, head
-    dim, block_size not a multiple of 128); the public `xattn_jax.block_sparse_attention`
-    then falls back to the reference. `block_kv`/`stages` override the plan (tuning only).
+    dim, block_size not a multiple of 128, pages not a multiple of the key tile); the
+    public `xattn_jax.block_sparse_attention` then falls back to the reference ("auto") or
+    raises it ("mosaic"). `block_kv`/`stages` override the plan (tuning only).
     """
     batch, q_heads, q_len, head_dim = q.shape
-    k_len, keys_in_use = k.shape[2], k_len
-    plan = attention_plan(head_dim, v.shape[-1], q.dtype, block_size,
-                          with_lse=return_lse, block_kv=block_kv, stages=stages)
+    page_size = None if block_table is None else k.shape[1]
+    keys_in_use = k_len
+    k_len = k.shape[2] if block_table is None else block_table.shape[1] * page_size
+    plan = attention_plan(head_dim, v.shape[-1], q.dtype, block_size, with_lse=return_lse,
+                          page_size=page_size, block_kv=block_kv, stages=stages)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     from xattn_jax.mosaic import kernel  # imports Mosaic GPU: only where it can run
@@ -133,10 +140,13 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
                            causal=causal, plan=plan, keys_in_use=keys_in_use)
     q_rows = lists.tiles.shape[2] * plan.rows_per_cta
     k_rows = lists.tiles.shape[3] * plan.block_kv
+    if block_table is None:
+        k, v = _pad_axis(k, 2, k_rows), _pad_axis(v, 2, k_rows)
+    else:  # whole pages of whole tiles: nothing to pad
+        block_table = jnp.clip(block_table.astype(jnp.int32), 0, k.shape[0] - 1)
     out, lse = kernel.attention_call(
-        _pad_axis(q, 2, q_rows), _pad_axis(k, 2, k_rows), _pad_axis(v, 2, k_rows),
-        lists.tiles, lists.counts, lists.bounds, plan=plan, causal=causal,
-        scale=float(scale), return_lse=return_lse)
+        _pad_axis(q, 2, q_rows), k, v, lists.tiles, lists.counts, lists.bounds,
+        block_table, plan=plan, causal=causal, scale=float(scale), return_lse=return_lse)
     out = out[:, :, :q_len]
     if return_lse:
         return out, lse[:, :, :q_len]

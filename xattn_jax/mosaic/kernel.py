@@ -12,6 +12,9 @@ the slot's key tile (after q.k^T) and copies the next one, then the same for the
 (released after p.v), so the next keys load while the current values are still in use;
 at the end it waits for the releases of the last tiles, so that every completed barrier
 phase has been observed when the CTA exits.
+With a paged cache (pages of a multiple of `block_kv` keys, so that a tile lies in one
+page) the producer finds each tile's page in the block table and copies the tile's rows of
+its KV head out of the page in place: the same TMA copy with another source.
 
 Consumers: per step, s = q.k^T (wgmma), online softmax in float32, acc += p.v (wgmma). A
 two-arrival barrier (`mma_turn`) makes the consumers take turns: while one warpgroup runs
@@ -55,14 +58,17 @@ def _tile_transforms(dtype) -> tuple:
     return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
-def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, out_ref, lse_ref,
-                 buffers,
-                 q_ready, k_ready, v_ready, k_free, v_free, mma_turn,
-                 *, plan: AttentionPlan, num_ctas: int, group: int, causal: bool,
-                 scale: float):
-    """Refs: q/out [B, Hq, Lq_pad, D], k/v [B, Hkv, Lk_pad, D], tiles [B, Hq, nq, nt],
-    counts [B, Hq, nq, 1 + W] and bounds [2] = (n - Lq, n) int32 (n keys in use: query row
-    i sits at key position i + n - Lq), lse [B, Hq, Lq_pad] f32 or None."""
+def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
+                 plan: AttentionPlan, num_ctas: int, group: int, causal: bool,
+                 scale: float, page_size: int | None):
+    """Refs: q/out [B, Hq, Lq_pad, D], k/v [B, Hkv, Lk_pad, D] (or, with `page_size`, paged
+    [num_pages, page_size, Hkv, D] followed by the block table [B, pages_per_seq] int32,
+    ids in range), tiles [B, Hq, nq, nt], counts [B, Hq, nq, 1 + W] and bounds [2] =
+    (n - Lq, n) int32 (n keys in use: query row i sits at key position i + n - Lq), lse
+    [B, Hq, Lq_pad] f32 or None."""
+    table_ref = refs[0] if page_size is not None else None
+    (out_ref, lse_ref, buffers,
+     q_ready, k_ready, v_ready, k_free, v_free, mma_turn) = refs[page_size is not None:]
     q_smem, k_smem, v_smem, lse_smem = buffers
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -179,7 +185,11 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, out_ref
 
         def key_rows(index):
             tile = tiles_ref[batch, head, cta, index]
-            return (batch, kv_head, pl.ds(tile * bkv, bkv))
+            if table_ref is None:
+                return (batch, kv_head, pl.ds(tile * bkv, bkv))
+            tiles_per_page = jnp.int32(page_size // bkv)  # a tile never crosses a page
+            page = table_ref[batch, lax.div(tile, tiles_per_page)]
+            return (page, pl.ds(lax.rem(tile, tiles_per_page) * bkv, bkv), kv_head)
 
         for first in range(stages):
             @pl.when(first < num_steps)
@@ -206,14 +216,18 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, out_ref
             plgpu.barrier_wait(v_free.at[slot])
 
 
-def attention_call(q, k, v, tiles, counts, bounds, *, plan: AttentionPlan, causal: bool,
-                   scale: float, return_lse: bool):
+def attention_call(q, k, v, tiles, counts, bounds, block_table=None, *, plan: AttentionPlan,
+                   causal: bool, scale: float, return_lse: bool):
     """Runs the kernel on padded operands: q [B, Hq, Lq_pad, D] with Lq_pad a multiple of
-    `plan.rows_per_cta`, k/v [B, Hkv, Lk_pad, D] with Lk_pad a multiple of `plan.block_kv`,
-    tiles/counts/bounds from `key_tile_lists`. Returns out [B, Hq, Lq_pad, D] in q's dtype
-    and lse [B, Hq, Lq_pad] float32 (None unless `return_lse`)."""
+    `plan.rows_per_cta`, k/v [B, Hkv, Lk_pad, D] with Lk_pad a multiple of `plan.block_kv`
+    (or paged caches [num_pages, page_size, Hkv, D] with page_size a multiple of
+    `plan.block_kv` and `block_table` int32 [B, pages_per_seq] holding ids in
+    [0, num_pages)), tiles/counts/bounds from `key_tile_lists`. Returns out
+    [B, Hq, Lq_pad, D] in q's dtype and lse [B, Hq, Lq_pad] float32 (None unless
+    `return_lse`)."""
     batch, q_heads, q_rows, head_dim = q.shape
-    kv_heads = k.shape[1]
+    page_size = None if block_table is None else k.shape[1]
+    kv_heads = k.shape[1] if block_table is None else k.shape[2]
     num_ctas = q_rows // plan.rows_per_cta
     warpgroups = plan.compute_warpgroups
     tile_layout = _tile_transforms(q.dtype)
@@ -237,7 +251,9 @@ def attention_call(q, k, v, tiles, counts, bounds, *, plan: AttentionPlan, causa
     )
     body = functools.partial(
         _kernel_body, plan=plan, num_ctas=num_ctas, group=q_heads // kv_heads,
-        causal=causal, scale=scale)
+        causal=causal, scale=scale, page_size=page_size)
+    operands = (q, k, v, tiles, counts, bounds) + (() if block_table is None
+                                                   else (block_table,))
     out, lse = plgpu.kernel(
         body,
         out_type=out_type,
@@ -247,5 +263,5 @@ def attention_call(q, k, v, tiles, counts, bounds, *, plan: AttentionPlan, causa
         num_threads=warpgroups + 1,
         thread_name=WG_AXIS,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, tiles, counts, bounds)
+    )(*operands)
     return out, lse

@@ -48,9 +48,11 @@ class AttentionPlan:
         return q_tiles + kv_slots + lse_rows + BARRIER_SMEM_RESERVE
 
 
-def unsupported_reason(head_dim: int, value_dim: int, dtype, block_size: int) -> str | None:
-    """Why the Mosaic kernel cannot run these arguments (None if it can). The public entry
-    point falls back to the reference implementation when this is not None."""
+def unsupported_reason(head_dim: int, value_dim: int, dtype, block_size: int,
+                       page_size: int | None = None) -> str | None:
+    """Why the Mosaic kernel cannot run these arguments (None if it can); `page_size`: the
+    tokens per page of a paged cache (None: contiguous k and v). "auto" falls back to the
+    reference implementation when this is not None; "mosaic" raises it as a ValueError."""
     dtype = jnp.dtype(dtype)
     if dtype not in SUPPORTED_DTYPES:
         return f"impl='mosaic' needs q, k, v in bfloat16 or float16; got {dtype}"
@@ -64,25 +66,31 @@ def unsupported_reason(head_dim: int, value_dim: int, dtype, block_size: int) ->
         return (f"impl='mosaic' needs block_size a multiple of {rows} "
                 f"(query rows per CTA) and of {BLOCK_KV_BY_HEAD_DIM[head_dim]} "
                 f"(keys per tile); got {block_size}")
+    block_kv = BLOCK_KV_BY_HEAD_DIM[head_dim]
+    if page_size is not None and page_size % block_kv:
+        return (f"impl='mosaic' reads paged caches whose pages hold a multiple of its key "
+                f"tile of {block_kv} tokens (head_dim {head_dim}); got page_size "
+                f"{page_size}")
     return None
 
 
 def attention_plan(head_dim: int, value_dim: int, dtype, block_size: int, *,
-                   with_lse: bool, block_kv: int | None = None,
+                   with_lse: bool, page_size: int | None = None, block_kv: int | None = None,
                    stages: int | None = None) -> AttentionPlan:
-    """The plan for q `[.., D=head_dim]` in `dtype` on masks of `block_size`. `block_kv` and
-    `stages` override the tuned values (for tuning runs). Raises ValueError when the kernel
-    cannot run these arguments (see `unsupported_reason`) or the override does not fit."""
-    reason = unsupported_reason(head_dim, value_dim, dtype, block_size)
+    """The plan for q `[.., D=head_dim]` in `dtype` on masks of `block_size` (and pages of
+    `page_size` tokens, None for contiguous k and v). `block_kv` and `stages` override the
+    tuned values (for tuning runs). Raises ValueError when the kernel cannot run these
+    arguments (see `unsupported_reason`) or the override does not fit."""
+    reason = unsupported_reason(head_dim, value_dim, dtype, block_size, page_size)
     if reason is not None:
         raise ValueError(reason)
     plan = AttentionPlan(
         head_dim=head_dim, block_q=BLOCK_Q,
         block_kv=BLOCK_KV_BY_HEAD_DIM[head_dim] if block_kv is None else block_kv,
         stages=STAGES if stages is None else stages)
-    if plan.block_kv % 64 or block_size % plan.block_kv:
+    if plan.block_kv % 64 or block_size % plan.block_kv or (page_size or 0) % plan.block_kv:
         raise ValueError(f"block_kv must be a multiple of 64 dividing block_size="
-                         f"{block_size}; got {plan.block_kv}")
+                         f"{block_size} (and page_size={page_size}); got {plan.block_kv}")
     if plan.stages < 2:
         raise ValueError(f"stages must be at least 2; got {plan.stages}")
     smem = plan.smem_bytes(jnp.dtype(dtype).itemsize, with_lse)
