@@ -162,6 +162,15 @@ def test_plan_refuses_unsupported_arguments(head_dim, value_dim, dtype, block_si
         attention.attention_plan(head_dim, value_dim, dtype, block_size, with_lse=False)
 
 
+def test_plan_counts_shared_memory_as_mosaic_gpu_does():
+    """3 stages at D 128: Mosaic GPU asked for 232568 bytes with lse on the H200 (over the
+    232448 available) and ran the plan without lse."""
+    plan = attention.attention_plan(128, 128, jnp.bfloat16, 128, with_lse=False, stages=3)
+    assert plan.smem_bytes(2, with_lse=True) == 232568
+    with pytest.raises(ValueError, match="shared memory"):
+        attention.attention_plan(128, 128, jnp.bfloat16, 128, with_lse=True, stages=3)
+
+
 def test_plan_refuses_overrides_that_do_not_fit():
     with pytest.raises(ValueError, match="shared memory"):
         attention.attention_plan(256, 256, jnp.bfloat16, 256, with_lse=False, block_kv=128,
