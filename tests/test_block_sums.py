@@ -111,6 +111,21 @@ def test_row_sums_count_real_rows(kernel_impl, case, rand):
         assert np.all(got[..., after] == 0), f"{kernel_impl} {case.id} {rand}: mass after diagonal"
 
 
+def test_row_whose_every_score_is_minus_inf_is_nan(kernel_impl, rand):
+    """Causal, Lq = Lk: reshaped row 0 sees key column 0 only. An inf in every key of that
+    column against negative query entries makes its one score -inf: the row has no
+    softmax, and every implementation makes its query block NaN (docs/estimate.md,
+    "Numerics"). Every later row gives column 0 weight 0 and stays finite."""
+    # causal, 200 tokens: whole stride groups (a padded query token, 0, times inf is NaN)
+    case = next(c for c in CASES if c.id == "c200_b2_s8_bs64")
+    q, k = case.inputs(rand)
+    q = q.at[..., 2].set(-jnp.abs(q[..., 2]) - 0.5)
+    k = k.at[:, :, :case.stride, 2].set(jnp.inf)
+    got = _run(kernel_impl, case, q, k)
+    assert np.isnan(got[:, :, 0, 0]).all(), f"{kernel_impl} {rand}: {got[:, :, 0]}"
+    assert np.isfinite(got[:, :, 1:]).all(), f"{kernel_impl} {rand}"
+
+
 # --- padding never changes a result ----------------------------------------------------
 
 TILE_CASES = [CASES[4], CASES[1]]  # causal bs48 (Lq < Lk), non-causal bs12 GQA

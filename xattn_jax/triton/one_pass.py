@@ -102,10 +102,11 @@ def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 
 def _combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry,
-             unit: int, first_row, q_blocks: int) -> jax.Array:
+             unit: int, first_row, q_blocks: int, sees_keys) -> jax.Array:
     """maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]` and totals `[B, Hq, T, R]` (sums
     summed over P) of rows first_row .. first_row + R -> block sums `[B, Hq, q_blocks,
-    kb]` of those rows.
+    kb]` of those rows. sees_keys: bool (may be traced), whether the call has any key
+    (False for an empty cache, whose rows then add nothing).
 
     Written in the kernel's layout, rows summed into blocks first, so that XLA fuses the
     weighting into that reduction and no temporary as large as the scratch is made.
@@ -114,11 +115,12 @@ def _combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometr
     row_max = maxes.max(axis=2, keepdims=True)  # [B, Hq, 1, R]
     scale = jnp.exp2(maxes - row_max)  # [B, Hq, T, R]
     total = (totals * scale).sum(axis=2, keepdims=True)
-    # Padded rows, and rows that see no key at all (an empty cache: every x is 0), add
-    # nothing. A row holding a NaN stays NaN even where a maximum skipped the NaN: its x
-    # is NaN.
-    empty = (row_max == -jnp.inf) & (totals.sum(axis=2, keepdims=True) == 0)
-    counts = ((first_row + jnp.arange(rows)) < geom.q_rows) & ~empty
+    # Padded rows, and every row of a call without keys, add nothing. Any other row sees
+    # at least one key, so it has no softmax when each of its scores is -inf (an inf in
+    # k): its maximum -inf makes it NaN, as in the reference (docs/estimate.md,
+    # "Numerics"). A row holding a NaN stays NaN even where a maximum skipped the NaN:
+    # its x is NaN.
+    counts = ((first_row + jnp.arange(rows)) < geom.q_rows) & sees_keys
     probs = jnp.where(counts[..., None], sums * (scale / total)[..., None], 0.0)
     probs = _fit(probs, 3, q_blocks * geom.block_rows)
     rows_summed = probs.reshape(b, h, key_tiles, q_blocks, geom.block_rows, -1).sum(axis=4)
@@ -207,6 +209,7 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
                                row_extent=row_extent, head_offset=heads < geom.q_heads)
     stats_shape = (geom.batch, heads, key_tiles, call_rows)
 
+    sees_keys = True if key_len is None else key_len[0] > 0
     kernel_keys, last_group = key_len, None
     if key_len is not None and plan.keys_fit:
         kernel_keys, *last_group = _split_last_group(q, k, key_len, block_table, geom, norm)
@@ -233,7 +236,7 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
                                                   call_rows, axis=2)
             maxes, sums, totals = _add_column(maxes, sums, totals, scores, column,
                                               plan.block_k, unit, present)
-        return _combine(maxes, sums, totals, geom, unit, first_row, q_blocks)
+        return _combine(maxes, sums, totals, geom, unit, first_row, q_blocks, sees_keys)
 
     if heads == geom.q_heads and all_rows:
         return block_sums_of(0, 0, geom.q_blocks)
