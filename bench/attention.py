@@ -25,7 +25,6 @@ strides). `--smoke` shrinks every size to run on a CPU in seconds (times mean no
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -34,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import (MATMUL_FLOPS, floor_ms, jax_extra_mib, log,  # noqa: E402
+from bench.common import (MATMUL_FLOPS, Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
                           markdown_table, record, strided_flops, time_ms, write_json)
 from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
@@ -44,22 +43,8 @@ DENSITIES = (0.1, 0.25, 0.5)
 REPS = {"16k": 20, "64k": 10, "128k": 5}
 
 
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 128
-    stride: int = 8
-    lengths: tuple = (("16k", 16384), ("64k", 65536), ("128k", 131072))
-    quality_length: int = 16384
-
-    def length(self, name: str) -> int:
-        return dict(self.lengths)[name]
-
-
 FULL = Sizes()
-SMOKE = Sizes(q_heads=4, kv_heads=2, head_dim=32, block_size=32,
+SMOKE = Sizes(q_heads=4, kv_heads=2, head_dim=32, block=32,
               lengths=(("16k", 256), ("64k", 512), ("128k", 1024)), quality_length=512)
 
 
@@ -99,7 +84,7 @@ def structured_qkv(length: int, sz: Sizes, dtype=jnp.bfloat16, seed: int = 0):
 def causal_mask(length: int, sz: Sizes, density: float, seed: int = 0) -> jax.Array:
     """bool `[1, Hq, n, n]` (n = L / block): each causally visible block kept with
     probability `density`, the diagonal always; all true for density 1."""
-    n = -(-length // sz.block_size)
+    n = -(-length // sz.block)
     if density >= 1.0:
         return jnp.ones((1, sz.q_heads, n, n), bool)
     draw = jax.random.uniform(jax.random.PRNGKey(seed), (1, sz.q_heads, n, n)) < density
@@ -132,7 +117,7 @@ def block_pairs(q_len: int, k_len: int, block_size: int, causal: bool) -> np.nda
 
 def attention_flops(mask, q_len: int, k_len: int, sz: Sizes) -> tuple[float, float]:
     """(FLOPs of the allowed visible pairs, their share of all visible pairs)."""
-    pairs = block_pairs(q_len, k_len, sz.block_size, causal=True)
+    pairs = block_pairs(q_len, k_len, sz.block, causal=True)
     allowed = float((np.asarray(mask) * pairs).sum())
     visible = float(pairs.sum()) * mask.shape[0] * mask.shape[1]
     return 4.0 * sz.head_dim * allowed, allowed / visible
@@ -143,7 +128,7 @@ def impl_label(impl: str, sz: Sizes) -> str:
     (`xattn_jax.impls`), for the records."""
     return impls.resolve(impl, op=impls.ATTENTION, device=jax.devices()[0],
                          attention_args=(sz.head_dim, sz.head_dim, jnp.bfloat16,
-                                         sz.block_size)).name
+                                         sz.block)).name
 
 
 # --- cases -----------------------------------------------------------------------------
@@ -167,7 +152,7 @@ def run_case(name: str, sz: Sizes, impl: str) -> dict:
         mask = causal_mask(length, sz, density)
 
         def fn(q, k, v, mask):
-            return block_sparse_attention(q, k, v, mask, block_size=sz.block_size,
+            return block_sparse_attention(q, k, v, mask, block_size=sz.block,
                                           causal=True, impl=impl)
 
         args, label = (q, k, v, mask), f"xattn-jax/{impl_label(impl, sz)}"
@@ -176,11 +161,11 @@ def run_case(name: str, sz: Sizes, impl: str) -> dict:
         q, k, v = structured_qkv(length, sz)
 
         def fn(q, k, v):
-            return xattention(q, k, v, threshold=THRESHOLD, block_size=sz.block_size,
+            return xattention(q, k, v, threshold=THRESHOLD, block_size=sz.block,
                               stride=sz.stride, causal=True, impl=impl)
 
         args, label = (q, k, v), f"xattn-jax/{impl_label(impl, sz)}"
-        _, mask = xattention(*args, threshold=THRESHOLD, block_size=sz.block_size,
+        _, mask = xattention(*args, threshold=THRESHOLD, block_size=sz.block,
                              stride=sz.stride, causal=True, impl=impl, return_mask=True)
         flops, extra["density"] = attention_flops(mask, length, length, sz)
         flops += strided_flops(sz.q_heads, length, length, sz.stride, sz.head_dim, True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bench.attention import Sizes, attention_flops, impl_label, structured_qkv
-from bench.common import gpu_name, log, time_ms, today, versions
+from bench.attention import attention_flops, impl_label, structured_qkv
+from bench.common import Sizes, gpu_name, log, time_ms, today, versions
 from xattn_jax import block_sparse_attention, xattention
 
 THRESHOLDS = (0.8, 0.85, 0.9, 0.95, 0.99)
@@ -50,10 +50,10 @@ def sweep(sz: Sizes, impl: str) -> tuple[list[dict], dict]:
     """Rows (stride, threshold, density, rel_err, ms, speedup) and the dense baselines."""
     length = sz.quality_length
     q32, k32, v32 = structured_qkv(length, sz, jnp.float32)
-    blocks = -(-length // sz.block_size)
+    blocks = -(-length // sz.block)
     everything = jnp.ones((1, sz.q_heads, blocks, blocks), bool)
     log(f"dense float32 reference at {length} tokens")
-    want = block_sparse_attention(q32, k32, v32, everything, block_size=sz.block_size,
+    want = block_sparse_attention(q32, k32, v32, everything, block_size=sz.block,
                                   causal=True, impl="reference")
     q, k, v = (x.astype(jnp.bfloat16) for x in (q32, k32, v32))
     del q32, k32, v32
@@ -66,7 +66,7 @@ def sweep(sz: Sizes, impl: str) -> tuple[list[dict], dict]:
     for stride in STRIDES:
         for threshold in THRESHOLDS:
             def fn(q, k, v, t, stride=stride):
-                return xattention(q, k, v, threshold=t, block_size=sz.block_size,
+                return xattention(q, k, v, threshold=t, block_size=sz.block,
                                   stride=stride, causal=True, impl=impl, return_mask=True)
 
             t = jnp.float32(threshold)
@@ -90,7 +90,7 @@ def report(rows: list[dict], dense: dict, sz: Sizes, impl: str, png: str) -> str
         f"Structured synthetic data (`xattn_jax.demo.synthetic.structured_qk`, {sz.kv_heads} "
         f"heads, each query head repeated to its {sz.q_heads // sz.kv_heads} GQA query "
         f"heads; v random), causal, Lq = Lk = {sz.quality_length}, Hq {sz.q_heads}, Hkv "
-        f"{sz.kv_heads}, D {sz.head_dim}, block {sz.block_size}, bf16; attention impl "
+        f"{sz.kv_heads}, D {sz.head_dim}, block {sz.block}, bf16; attention impl "
         f"{impl_label(impl, sz)}. rel err: Frobenius norm of the output's difference from "
         "dense float32 attention of the float32 inputs, relative to its norm. density: "
         "allowed visible (query, key) pairs over all visible pairs. speed-up: dense bf16 "

@@ -3,7 +3,8 @@ share (`bench.estimate`, `bench.chunked`, `bench.ab`, `tests/cases.py`,
 `tests/test_gpu_large.py`).
 
 A `Shape` is q `[batch, q_heads, q_len, head_dim]`, k `[batch, kv_heads, k_len,
-head_dim]` and the estimate's layout (stride, block size, causal flag, dtype).
+head_dim]` and the estimate's layout (stride, block size, causal flag, dtype); for the
+attention, v `[batch, kv_heads, k_len, v_head_dim]` (None: v_head_dim = head_dim).
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ class Shape:
     block_size: int
     causal: bool
     dtype: object = jnp.float32
+    v_head_dim: int | None = None
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return self.batch, self.q_heads, self.q_len, self.head_dim
+
+    @property
+    def k_shape(self) -> tuple[int, int, int, int]:
+        return self.batch, self.kv_heads, self.k_len, self.head_dim
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        return self.batch, self.kv_heads, self.k_len, self.v_head_dim or self.head_dim
 
     def geom(self) -> Geometry:
         return Geometry(self.batch, self.q_heads, self.kv_heads, self.q_len, self.k_len,
@@ -43,10 +57,8 @@ class Shape:
     def random_qk(self, seed: int) -> tuple[jax.Array, jax.Array]:
         """Standard normal q and k of this shape and dtype (on the default device)."""
         kq, kk = jax.random.split(jax.random.PRNGKey(seed))
-        q = jax.random.normal(kq, (self.batch, self.q_heads, self.q_len, self.head_dim),
-                              jnp.float32).astype(self.dtype)
-        k = jax.random.normal(kk, (self.batch, self.kv_heads, self.k_len, self.head_dim),
-                              jnp.float32).astype(self.dtype)
+        q = jax.random.normal(kq, self.q_shape, jnp.float32).astype(self.dtype)
+        k = jax.random.normal(kk, self.k_shape, jnp.float32).astype(self.dtype)
         return q, k
 
 

@@ -20,10 +20,13 @@ COPY_BYTES = 4.25e12  # bytes read + written per second on the H200
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The chunked-prefill benchmarks' sizes (`bench.chunked`, `bench.torch_path`,
-    `bench.multi_gpu`): heads, head dim and stride; a chunk of `chunk` queries over a cache
-    in KV blocks of `kv_block` tokens, estimated at `estimate_block`, selected at
-    `threshold`; `block`, the block size of `bench.multi_gpu`'s estimate rows."""
+    """The sizes of the benchmarks that scale down for a smoke run (`bench.chunked`,
+    `bench.torch_path`, `bench.multi_gpu`, `bench.attention`): heads, head dim and stride;
+    a chunk of `chunk` queries over a cache in KV blocks of `kv_block` tokens, estimated at
+    `estimate_block`, selected at `threshold`; `block`, the block size of
+    `bench.multi_gpu`'s estimate rows and of `bench.attention`'s attention and estimate;
+    `lengths`, `bench.attention`'s sequence lengths by name, and `quality_length`, its
+    quality sweep's."""
 
     q_heads: int = 32
     kv_heads: int = 8
@@ -34,6 +37,11 @@ class Sizes:
     estimate_block: int = 1024
     threshold: float = 0.95
     block: int = 128
+    lengths: tuple = (("16k", 16384), ("64k", 65536), ("128k", 131072))
+    quality_length: int = 16384
+
+    def length(self, name: str) -> int:
+        return dict(self.lengths)[name]
 
 
 def log(msg: str) -> None:

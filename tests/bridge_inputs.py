@@ -1,27 +1,26 @@
-"""Test helper: torch inputs of the bridge tests and independent JAX copies of them."""
+"""Test helper: torch inputs of the bridge tests, for shapes of `cases` (the one format of
+`bench.cases`), independent JAX copies of them, and the mark of the tests that need CUDA."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 import torch
 
-# (B, Hq, Hkv, Lq, Lk, D), keyword arguments of the estimate
-CASES = {
-    "causal-gqa": ((1, 4, 2, 256, 256, 32), dict(block_size=32, stride=8, causal=True)),
-    "causal-chunk": ((2, 2, 2, 96, 224, 16), dict(block_size=64, stride=8, causal=True)),
-    "ragged-noncausal": ((1, 2, 1, 100, 200, 16),
-                         dict(block_size=16, stride=4, causal=False, keep_sink=True,
-                              keep_recent=True, threshold=0.8)),
-}
+import xattn_torch_bridge as bridge
+from bench.cases import Shape
+
+needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
+                                reason="needs torch CUDA and JAX's CUDA backend")
 
 
-def qk(rand, shape, dtype=torch.float32, device="cpu"):
-    """Random q `[B, Hq, Lq, D]` and k `[B, Hkv, Lk, D]` with standard deviation 2 (scores
-    of standard deviation 4 / sqrt(stride): peaked, not degenerate softmax rows)."""
-    b, hq, hkv, lq, lk, d = shape
-    q = torch.from_numpy(rand.rng.standard_normal((b, hq, lq, d)) * 2.0).to(dtype)
-    k = torch.from_numpy(rand.rng.standard_normal((b, hkv, lk, d)) * 2.0).to(dtype)
+def qk(rand, shape: Shape, dtype=torch.float32, device="cpu"):
+    """Random q `[B, Hq, Lq, D]` and k `[B, Hkv, Lk, D]` of `shape` in the torch `dtype`
+    (the shape's own dtype is the JAX tests'), with standard deviation 2 (scores of
+    standard deviation 4 / sqrt(stride): peaked, not degenerate softmax rows)."""
+    q = torch.from_numpy(rand.rng.standard_normal(shape.q_shape) * 2.0).to(dtype)
+    k = torch.from_numpy(rand.rng.standard_normal(shape.k_shape) * 2.0).to(dtype)
     return q.to(device), k.to(device)
 
 

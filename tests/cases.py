@@ -1,5 +1,6 @@
-"""Test helper: the q/k shape cases of the block-sum and the estimate suites, in the one
-format of `bench.cases`."""
+"""Test helper: the q/k shape cases of the tests, in the one format of `bench.cases`: the
+case classes of the block-sum and estimate suites, and the shapes the bridge and
+paged-cache tests share (torch-free, like every module the xattn_jax tests import)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,47 @@ class QKCase(Shape):
     @property
     def rtol(self) -> float:
         return F32_RTOL if self.dtype == jnp.float32 else LOW_RTOL
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateCase(QKCase):
+    """A `QKCase` with the estimate's selection rules and a threshold for the tests that
+    use a fixed one (0.9, the estimate's default)."""
+
+    keep_sink: bool = False
+    keep_recent: bool = False
+    threshold: float = 0.9
+
+    @property
+    def rules(self) -> dict:
+        """The selection's keyword arguments: causal, keep_sink, keep_recent."""
+        return dict(causal=self.causal, keep_sink=self.keep_sink, keep_recent=self.keep_recent)
+
+    @property
+    def options(self) -> dict:
+        """The keyword arguments of `xattn_estimate` (xattn_jax's, the bridge's and the
+        torch reference's) but the threshold: block_size, stride and the rules."""
+        return dict(block_size=self.block_size, stride=self.stride, **self.rules)
+
+
+# the estimate cases each checked through the bridge against xattn_jax and the torch
+# reference (test_bridge_estimate.py, test_bridge_reference.py)
+BRIDGE = {c.id: c for c in (
+    EstimateCase("causal-gqa", 1, 4, 2, 256, 256, 32, 8, 32, True),
+    EstimateCase("causal-chunk", 2, 2, 2, 96, 224, 16, 8, 64, True),
+    EstimateCase("ragged-noncausal", 1, 2, 1, 100, 200, 16, 4, 16, False, keep_sink=True,
+                 keep_recent=True, threshold=0.8),
+)}
+
+# the bridge's GPU tests: GQA 8:2 at 1k x 2k, and a small GQA 4:2 shape for the stream
+# tests (v head dims for the attention)
+GPU_GQA = EstimateCase("gpu-gqa-causal", 1, 8, 2, 1024, 2048, 64, 8, 128, True,
+                       v_head_dim=64)
+GPU_SMALL = EstimateCase("gpu-gqa-512", 1, 4, 2, 512, 512, 64, 8, 64, True, v_head_dim=64)
+
+PAGE_SIZE = 64  # tokens per page of the paged-cache tests' caches
+# the paged-cache tests (test_kv_cache, test_policy, test_bridge_bad_inputs,
+# test_bridge_compile): a chunk of 48 queries in 4 heads over a context of 5 pages and 17
+# tokens (a partial last page), 2 KV heads of 16, scored with stride 8 at estimate blocks
+# of 32; tests vary the lengths (and test_bridge_compile the page size)
+PAGED = EstimateCase("paged-chunk", 1, 4, 2, 48, 5 * PAGE_SIZE + 17, 16, 8, 32, False)

@@ -7,6 +7,8 @@ The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -16,19 +18,23 @@ torch = pytest.importorskip("torch")
 import xattn_jax  # noqa: E402
 
 import xattn_torch_bridge as bridge  # noqa: E402
-from test_bridge_estimate import jax_of, needs_cuda  # noqa: E402
+from bridge_inputs import jax_of, needs_cuda  # noqa: E402
+from cases import GPU_GQA, GPU_SMALL, EstimateCase  # noqa: E402
 
-# (B, Hq, Hkv, Lq, Lk, D, Dv), block_size
-SHAPE, BLOCK = (1, 4, 2, 40, 96, 16, 8), 16
+SHAPE = EstimateCase("attention-gqa", 1, 4, 2, 40, 96, 16, 4, 16, True, v_head_dim=8)
+BLOCK = SHAPE.block_size
+LONGER = dataclasses.replace(SHAPE, q_len=64, k_len=128)  # the xattention tests'
 
 
 def qkv_mask(rand, dtype=torch.float32, device="cpu", shape=SHAPE):
-    b, hq, hkv, lq, lk, d, dv = shape
+    """q, k, v of `shape` and a random bool block mask `[B, Hq, qb, kb]` at its block
+    size."""
     normal = rand.rng.standard_normal
-    q = torch.from_numpy(normal((b, hq, lq, d)) * 1.5).to(dtype).to(device)
-    k = torch.from_numpy(normal((b, hkv, lk, d)) * 1.5).to(dtype).to(device)
-    v = torch.from_numpy(normal((b, hkv, lk, dv))).to(dtype).to(device)
-    blocks = (b, hq, -(-lq // BLOCK), -(-lk // BLOCK))
+    q = torch.from_numpy(normal(shape.q_shape) * 1.5).to(dtype).to(device)
+    k = torch.from_numpy(normal(shape.k_shape) * 1.5).to(dtype).to(device)
+    v = torch.from_numpy(normal(shape.v_shape)).to(dtype).to(device)
+    blocks = (shape.batch, shape.q_heads, -(-shape.q_len // shape.block_size),
+              -(-shape.k_len // shape.block_size))
     mask = torch.from_numpy(rand.rng.random(blocks) < 0.5).clone().to(device)  # aligned
     return q, k, v, mask
 
@@ -54,7 +60,7 @@ def test_block_sparse_attention_matches_xattn_jax(dtype, rand):
 
 def test_paged_cache_with_tensor_k_len(rand):
     """A paged cache and block table as torch tensors, k_len a 0-d int32 tensor."""
-    b, hq, hkv, lq, lk, d, dv = SHAPE
+    hkv, lk, d, dv = SHAPE.kv_heads, SHAPE.k_len, SHAPE.head_dim, SHAPE.v_head_dim
     q, k, v, mask = qkv_mask(rand)
     page = 8
     per_seq = lk // page
@@ -75,9 +81,8 @@ def test_paged_cache_with_tensor_k_len(rand):
 
 
 def test_xattention_matches_xattn_jax(rand):
-    b, hq, hkv, lq, lk, d, dv = SHAPE
-    q, k, v, _ = qkv_mask(rand, shape=(b, hq, hkv, 64, 128, d, dv))
-    kwargs = dict(block_size=BLOCK, stride=4, return_mask=True)
+    q, k, v, _ = qkv_mask(rand, shape=LONGER)
+    kwargs = dict(block_size=BLOCK, stride=LONGER.stride, return_mask=True)
     out, mask = bridge.xattention(q, k, v, threshold=torch.tensor([0.5, 0.7, 0.9, 0.95]),
                                   **kwargs)
     assert mask.dtype == torch.bool and out.device.type == "cpu"
@@ -101,7 +106,7 @@ def test_non_contiguous_needs_copy(rand):
     with pytest.raises(ValueError, match="v is not contiguous"):
         bridge.block_sparse_attention(q, k, v_t, mask, block_size=BLOCK)
     with pytest.raises(ValueError, match="v is not contiguous"):
-        bridge.xattention(q, k, v_t, block_size=BLOCK, stride=4, causal=False)
+        bridge.xattention(q, k, v_t, block_size=BLOCK, stride=SHAPE.stride, causal=False)
     got = bridge.block_sparse_attention(q, k, v_t, mask, block_size=BLOCK, copy=True)
     assert_same((got,), (bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK),),
                 rand)
@@ -122,8 +127,8 @@ def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
     CPU device with the references; "mosaic" is refused."""
     if jax.default_backend() == "cpu":
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    q, k, v, _ = qkv_mask(rand, shape=(1, 4, 2, 64, 128, 16, 8))
-    kwargs = dict(block_size=BLOCK, stride=4, return_mask=True)
+    q, k, v, _ = qkv_mask(rand, shape=LONGER)
+    kwargs = dict(block_size=BLOCK, stride=LONGER.stride, return_mask=True)
     out, mask = bridge.xattention(q, k, v, **kwargs)
     want = xattn_jax.xattention(*(jax_of(t) for t in (q, k, v)), impl="reference", **kwargs)
     assert_same((out, mask), want, rand)
@@ -135,9 +140,9 @@ def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
 @needs_cuda
 class TestCuda:
     def test_xattention_on_gpu(self, rand):
-        q, k, v, _ = qkv_mask(rand, torch.bfloat16, "cuda", shape=(1, 8, 2, 1024, 2048, 64,
-                                                                    64))
-        kwargs = dict(block_size=128, stride=8, causal=True, return_mask=True)
+        q, k, v, _ = qkv_mask(rand, torch.bfloat16, "cuda", shape=GPU_GQA)
+        kwargs = dict(block_size=GPU_GQA.block_size, stride=GPU_GQA.stride,
+                      causal=GPU_GQA.causal, return_mask=True)
         out, mask = bridge.xattention(q, k, v, **kwargs)
         assert out.device == q.device and mask.device == q.device
         assert_same((out, mask), xattn_jax.xattention(*(jax_of(t) for t in (q, k, v)),
@@ -146,8 +151,8 @@ class TestCuda:
     def test_values_written_on_a_side_stream(self, rand):
         """v written on a side stream after a long sleep: the attention sees it (q's view
         carries the stream order for all)."""
-        q, k, v_src, mask = qkv_mask(rand, torch.bfloat16, "cuda",
-                                     shape=(1, 4, 2, 512, 512, 64, 64))
+        shape = dataclasses.replace(GPU_SMALL, block_size=BLOCK)
+        q, k, v_src, mask = qkv_mask(rand, torch.bfloat16, "cuda", shape=shape)
         expected = bridge.block_sparse_attention(q, k, v_src, mask, block_size=BLOCK).clone()
         v = torch.zeros_like(v_src)
         torch.cuda.synchronize()

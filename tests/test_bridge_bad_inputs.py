@@ -15,13 +15,15 @@ from hypothesis import strategies as st  # noqa: E402
 
 import xattn_torch_bridge as bridge  # noqa: E402
 from cache_state import assert_refused  # noqa: E402
+from cases import PAGE_SIZE, PAGED, EstimateCase  # noqa: E402
 from xattn_torch_bridge import PagedKVCache, XAttentionPolicy  # noqa: E402
 
 ALLOWED = (TypeError, ValueError)
+VALID = EstimateCase("valid-call", 1, 2, 1, 64, 64, 16, 8, 16, True)  # bad arguments spoil it
 
 
-def _qk(q_shape=(1, 2, 64, 16), k_shape=(1, 1, 64, 16), dtype=torch.float32):
-    return torch.zeros(q_shape, dtype=dtype), torch.zeros(k_shape, dtype=dtype)
+def _qk(dtype=torch.float32):
+    return torch.zeros(VALID.q_shape, dtype=dtype), torch.zeros(VALID.k_shape, dtype=dtype)
 
 
 ESTIMATE_BAD = {  # argument -> bad values (q and k replace the tensors)
@@ -49,7 +51,7 @@ ESTIMATE_BAD = {  # argument -> bad values (q and k replace the tensors)
 
 def _estimate_call(argument, value):
     q, k = _qk()
-    kwargs = {"block_size": 16, "stride": 8, "impl": "reference"}
+    kwargs = {"block_size": VALID.block_size, "stride": VALID.stride, "impl": "reference"}
     if argument == "q":
         q = value
     elif argument == "k":
@@ -85,7 +87,7 @@ def test_integer_tensors_get_the_rule_of_the_estimate(dtype):
     q, k = _qk(dtype=dtype)
     with pytest.raises(ValueError, match=r"^q must have dtype bfloat16, float16 or float32, "
                                          rf"got {dtype}$"):
-        bridge.xattn_estimate(q, k, block_size=16, impl="reference")
+        bridge.xattn_estimate(q, k, block_size=VALID.block_size, impl="reference")
 
 
 POLICY_BAD = {
@@ -109,7 +111,7 @@ def test_policy_refuses_bad_arguments(case):
     _assert_refused(lambda: XAttentionPolicy(**{argument: value}), argument)
 
 
-BS, HKV, D = 64, 2, 16
+BS, HKV, D = PAGE_SIZE, PAGED.kv_heads, PAGED.head_dim
 
 
 @pytest.fixture

@@ -14,18 +14,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import xattn_torch_bridge as bridge  # noqa: E402
+from bridge_inputs import needs_cuda, qk  # noqa: E402
+from cases import PAGED, EstimateCase  # noqa: E402
 from xattn_torch_bridge import PagedKVCache, XAttentionPolicy  # noqa: E402
 
-needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
-                                reason="needs torch CUDA and JAX's CUDA backend")
+MODEL = EstimateCase("compiled-model", 1, 4, 2, 96, 224, 16, 8, 32, True, threshold=0.8)
 
 
 class EstimateModel(torch.nn.Module):
     """Scales q, estimates, and uses both results in torch ops around the estimate."""
 
     def forward(self, q, k):
-        sums, mask = bridge.xattn_estimate(q * 0.5, k, block_size=32, stride=8, causal=True,
-                                           threshold=0.8, impl="reference")
+        sums, mask = bridge.xattn_estimate(q * 0.5, k, threshold=MODEL.threshold,
+                                           impl="reference", **MODEL.options)
         return sums * mask, mask.sum(dim=-1)
 
 
@@ -39,12 +40,6 @@ class SelectionModel(torch.nn.Module):
         return scores, self.policy.selection(scores, self.cache, table)
 
 
-def qk(rand, device="cpu", dtype=torch.float32):
-    q = torch.from_numpy(rand.rng.standard_normal((1, 4, 96, 16))).to(dtype).to(device)
-    k = torch.from_numpy(rand.rng.standard_normal((1, 2, 224, 16))).to(dtype).to(device)
-    return q, k
-
-
 def assert_same(got, want):
     assert len(got) == len(want)
     for a, b in zip(got, want):
@@ -52,7 +47,7 @@ def assert_same(got, want):
 
 
 def test_estimate_compiles_without_graph_break(rand):
-    q, k = qk(rand)
+    q, k = qk(rand, MODEL)
     model = EstimateModel()
     eager = model(q, k)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -62,8 +57,9 @@ def test_estimate_compiles_without_graph_break(rand):
 
 
 def test_estimate_op_fake_shapes_match(rand):
-    q, k = qk(rand)
-    args = (q, k, [0.9], 32, 8, True, 1.0, False, False, "reference", None, False)
+    q, k = qk(rand, MODEL)
+    args = (q, k, [0.9], MODEL.block_size, MODEL.stride, MODEL.causal, 1.0, False, False,
+            "reference", None, False)
     real = torch.ops.xattn.estimate(*args)
     torch.library.opcheck(torch.ops.xattn.estimate.default, args,
                           test_utils=("test_schema", "test_faketensor"))
@@ -73,12 +69,14 @@ def test_estimate_op_fake_shapes_match(rand):
 @pytest.mark.parametrize("rule", ["score", "vote"])
 def test_policy_scoring_and_selection_compile(rand, rule):
     """The compiled steps give the units `select_blocks` chose, and the ids from them."""
-    k = torch.from_numpy(rand.rng.standard_normal((300, 2, 16))).float()
-    q = torch.from_numpy(rand.rng.standard_normal((4, 40, 16))).float()
-    cache = PagedKVCache(24, 16, 2, 16, dtype=torch.float32, device="cpu", num_cpu_blocks=2)
+    hq, hkv, d = PAGED.q_heads, PAGED.kv_heads, PAGED.head_dim
+    k = torch.from_numpy(rand.rng.standard_normal((300, hkv, d))).float()
+    q = torch.from_numpy(rand.rng.standard_normal((hq, 40, d))).float()
+    cache = PagedKVCache(24, 16, hkv, d, dtype=torch.float32, device="cpu", num_cpu_blocks=2)
     ids = cache.append([], k, k)
     cache.offload(ids[3:5])
-    policy = XAttentionPolicy(0.6, 8, 32, selection_unit=64, rule=rule)
+    policy = XAttentionPolicy(0.6, PAGED.stride, PAGED.block_size, selection_unit=64,
+                              rule=rule)
     want = policy.select_blocks(q, cache, ids)
     model = SelectionModel(policy, cache)
     table = policy.block_table(q, cache, ids)
@@ -95,7 +93,7 @@ def test_policy_scoring_and_selection_compile(rand, rule):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_estimate_compiled_with_inductor(rand):
-    q, k = qk(rand, "cuda", torch.bfloat16)
+    q, k = qk(rand, MODEL, torch.bfloat16, "cuda")
     model = EstimateModel()
     compiled = torch.compile(model, fullgraph=True)
     assert_same(compiled(q, k), model(q, k))

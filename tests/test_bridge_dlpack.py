@@ -21,13 +21,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import xattn_torch_bridge  # noqa: E402
+from bridge_inputs import needs_cuda  # noqa: E402
+from cases import GPU_SMALL  # noqa: E402
 from xattn_torch_bridge import dlpack, to_jax, to_torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.bool]
 
-needs_cuda = pytest.mark.skipif(not xattn_torch_bridge.cuda_available(),
-                                reason="needs torch CUDA and JAX's CUDA backend")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 # the stream-order tests run on the current device and on the second GPU, while device 0
 # stays torch's current device
@@ -271,10 +271,11 @@ class TestCuda:
         """The bridged estimate of tensors on cuda:1 runs on JAX's device 1 and returns
         tensors there, equal to the same call on cuda:0 (torch's current device)."""
         gen = torch.Generator("cuda:0").manual_seed(0)
-        q, k = (torch.randn(1, heads, 512, 64, generator=gen, device="cuda:0",
-                            dtype=torch.bfloat16) for heads in (4, 2))
-        on_0 = xattn_torch_bridge.xattn_estimate(q, k, block_size=64)
-        on_1 = xattn_torch_bridge.xattn_estimate(q.to("cuda:1"), k.to("cuda:1"), block_size=64)
+        q, k = (torch.randn(shape, generator=gen, device="cuda:0", dtype=torch.bfloat16)
+                for shape in (GPU_SMALL.q_shape, GPU_SMALL.k_shape))
+        on_0 = xattn_torch_bridge.xattn_estimate(q, k, **GPU_SMALL.options)
+        on_1 = xattn_torch_bridge.xattn_estimate(q.to("cuda:1"), k.to("cuda:1"),
+                                                 **GPU_SMALL.options)
         for a, b in zip(on_0, on_1):
             assert b.device == torch.device("cuda", 1)
             assert torch.equal(a.cpu(), b.cpu())

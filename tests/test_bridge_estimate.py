@@ -15,12 +15,14 @@ torch = pytest.importorskip("torch")
 
 import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
-from bridge_inputs import CASES, jax_of, qk  # noqa: E402
+from bridge_inputs import jax_of, needs_cuda, qk  # noqa: E402
+from cases import BRIDGE, GPU_GQA, GPU_SMALL, EstimateCase  # noqa: E402
 from xattn_jax import impls  # noqa: E402
 from xattn_torch_bridge import estimate  # noqa: E402
 
-needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
-                                reason="needs torch CUDA and JAX's CUDA backend")
+GQA = BRIDGE["causal-gqa"]
+COMPILE_ONCE = EstimateCase("compile-once", 1, 2, 1, 64, 128, 16, 8, 32, True)
+
 
 def assert_same(bridged, plain, rand):
     (sums, mask), (sums_j, mask_j) = bridged, plain
@@ -30,10 +32,10 @@ def assert_same(bridged, plain, rand):
     np.testing.assert_array_equal(mask.cpu().numpy(), np.asarray(mask_j), err_msg=str(rand))
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", BRIDGE.values(), ids=lambda case: case.id)
 def test_matches_xattn_jax_reference(case, rand):
-    shape, kwargs = CASES[case]
-    q, k = qk(rand, shape)
+    kwargs = dict(case.options, threshold=case.threshold)
+    q, k = qk(rand, case)
     bridged = bridge.xattn_estimate(q, k, impl="reference", **kwargs)
     assert bridged[0].device.type == "cpu"
     assert_same(bridged, xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="reference",
@@ -43,32 +45,31 @@ def test_matches_xattn_jax_reference(case, rand):
 def test_matches_xattn_jax_triton_bf16(rand):
     """The Triton-backend kernels (interpret mode on CPU tensors) through the bridge,
     bfloat16 inputs."""
-    shape, kwargs = CASES["causal-gqa"]
-    q, k = qk(rand, shape, torch.bfloat16)
+    kwargs = GQA.options
+    q, k = qk(rand, GQA, torch.bfloat16)
     assert_same(bridge.xattn_estimate(q, k, impl="triton", threshold=0.7, **kwargs),
                 xattn_jax.xattn_estimate(jax_of(q), jax_of(k), impl="triton", threshold=0.7,
                                          **kwargs), rand)
 
 
 def test_compiled_once_per_shape(rand):
-    shape = (1, 2, 1, 64, 128, 16)
-    kwargs = dict(block_size=32, stride=8, causal=True, impl="reference")
-    q, k = qk(rand, shape)
+    kwargs = dict(COMPILE_ONCE.options, impl="reference")
+    q, k = qk(rand, COMPILE_ONCE)
     # the bridge's jit, for the implementation it resolves for CPU tensors
     compiled = estimate.compiled_estimate(dict(kwargs, impl=impls.Implementation("reference")))
     before = compiled._cache_size()
     first = bridge.xattn_estimate(q, k, **kwargs)
     assert compiled._cache_size() == before + 1
     for threshold in (0.5, 0.95, [0.6, 0.9]):  # thresholds are data: no recompilation
-        q, k = qk(rand, shape)
+        q, k = qk(rand, COMPILE_ONCE)
         bridge.xattn_estimate(q, k, threshold=threshold, **kwargs)
     assert compiled._cache_size() == before + 1
     assert first[0].shape == (1, 2, 2, 4)
 
 
 def test_threshold_tensor_equals_list(rand):
-    shape, kwargs = CASES["causal-gqa"]
-    q, k = qk(rand, shape)
+    kwargs = GQA.options
+    q, k = qk(rand, GQA)
     per_head = [0.5, 0.9, 0.7, 0.99]
     a = bridge.xattn_estimate(q, k, threshold=torch.tensor(per_head), impl="reference", **kwargs)
     b = bridge.xattn_estimate(q, k, threshold=per_head, impl="reference", **kwargs)
@@ -76,8 +77,8 @@ def test_threshold_tensor_equals_list(rand):
 
 
 def test_grad_inputs_are_detached(rand):
-    shape, kwargs = CASES["causal-gqa"]
-    q, k = qk(rand, shape)
+    kwargs = GQA.options
+    q, k = qk(rand, GQA)
     sums, mask = bridge.xattn_estimate(q.requires_grad_(), k, impl="reference", **kwargs)
     assert not sums.requires_grad
     assert torch.equal(sums, bridge.xattn_estimate(q.detach(), k, impl="reference",
@@ -85,8 +86,8 @@ def test_grad_inputs_are_detached(rand):
 
 
 def test_non_contiguous_needs_copy(rand):
-    shape, kwargs = CASES["causal-gqa"]
-    q, k = qk(rand, shape)
+    kwargs = GQA.options
+    q, k = qk(rand, GQA)
     q_t = q.transpose(2, 3).contiguous().transpose(2, 3)  # same values, strided layout
     with pytest.raises(ValueError, match=r"q is not contiguous.*copy=True"):
         bridge.xattn_estimate(q_t, k, impl="reference", **kwargs)
@@ -96,8 +97,8 @@ def test_non_contiguous_needs_copy(rand):
 
 
 def test_argument_errors_name_the_argument(rand):
-    shape, kwargs = CASES["causal-gqa"]
-    q, k = qk(rand, shape)
+    kwargs = GQA.options
+    q, k = qk(rand, GQA)
     with pytest.raises(ValueError, match="k must be on the CPU or a CUDA device"):
         bridge.xattn_estimate(q, k.to("meta"), **kwargs)
     with pytest.raises(ValueError, match="block_size must be a positive multiple"):
@@ -112,8 +113,8 @@ def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
     "triton" interpret mode."""
     if jax.default_backend() == "cpu":
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    shape, kwargs = CASES["causal-gqa"]
-    q, k = qk(rand, shape)
+    kwargs = GQA.options
+    q, k = qk(rand, GQA)
     sums, mask = bridge.xattn_estimate(q, k, **kwargs)
     assert sums.device.type == "cpu"
     assert_same((sums, mask), xattn_jax.xattn_estimate(jax_of(q), jax_of(k),
@@ -129,9 +130,8 @@ def test_cpu_tensors_where_jax_defaults_to_a_gpu(rand, monkeypatch):
 class TestCuda:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
     def test_matches_xattn_jax_on_gpu(self, dtype, rand):
-        shape = (1, 8, 2, 1024, 2048, 64)
-        kwargs = dict(block_size=128, stride=8, causal=True, threshold=0.9)
-        q, k = qk(rand, shape, dtype, device="cuda")
+        kwargs = dict(GPU_GQA.options, threshold=GPU_GQA.threshold)
+        q, k = qk(rand, GPU_GQA, dtype, device="cuda")
         sums, mask = bridge.xattn_estimate(q, k, **kwargs)
         assert sums.device == q.device and mask.device == q.device
         assert_same((sums, mask), xattn_jax.xattn_estimate(jax_of(q), jax_of(k), **kwargs),
@@ -141,9 +141,8 @@ class TestCuda:
     def test_inputs_written_on_a_side_stream(self, late, rand):
         """q, k or both written on a side stream after a long sleep: the estimate sees
         them (only q's view carries the stream order; k's rides on it)."""
-        shape = (1, 4, 2, 512, 512, 64)
-        kwargs = dict(block_size=64, stride=8, causal=True)
-        q_src, k_src = qk(rand, shape, torch.bfloat16, device="cuda")
+        kwargs = GPU_SMALL.options
+        q_src, k_src = qk(rand, GPU_SMALL, torch.bfloat16, device="cuda")
         expected = xattn_jax.xattn_estimate(jax_of(q_src), jax_of(k_src), **kwargs)
         bridge.xattn_estimate(q_src, k_src, **kwargs)  # compile
         q = torch.zeros_like(q_src) if "q" in late else q_src.clone()

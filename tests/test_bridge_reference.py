@@ -13,6 +13,7 @@ The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -23,19 +24,25 @@ torch = pytest.importorskip("torch")
 
 import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
-from bridge_inputs import CASES, qk  # noqa: E402
+from bridge_inputs import needs_cuda, qk  # noqa: E402
+from cases import BRIDGE, GPU_GQA, EstimateCase  # noqa: E402
 from xattn_torch_bridge import reference as ref  # noqa: E402
 
-needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
-                                reason="needs torch CUDA and JAX's CUDA backend")
-
-CROSS = [  # case, dtype, JAX implementation
+CROSS = [  # case of cases.BRIDGE, dtype, JAX implementation
     ("causal-gqa", torch.float32, "reference"),
     ("causal-chunk", torch.float32, "reference"),
     ("ragged-noncausal", torch.float32, "reference"),
     ("causal-gqa", torch.bfloat16, "triton"),
     ("ragged-noncausal", torch.float32, "triton"),
 ]
+
+# the shapes of single tests below
+PARTIAL_GROUPS = EstimateCase("partial-stride-groups", 1, 2, 1, 10, 7, 3, 4, 4, False)
+HIERARCHY = EstimateCase("block-hierarchy", 1, 2, 2, 128, 128, 8, 4, 16, True)
+KV_HIERARCHY = EstimateCase("kv-hierarchy", 2, 4, 2, 64, 320, 8, 8, 32, False)
+KV_VS_BLOCK_SUMS = EstimateCase("kv-vs-block-sums", 1, 4, 2, 64, 256, 16, 8, 32, False)
+KV_CHUNK = EstimateCase("kv-chunk", 1, 4, 2, 160, 1024, 16, 8, 64, False)  # q_len varies
+GPU_NONCAUSAL = EstimateCase("gpu-noncausal", 2, 4, 4, 1000, 1800, 64, 8, 64, False)
 
 
 def thresholds(rand, heads: int) -> list[float]:
@@ -60,8 +67,7 @@ def check_agreement(q, k, kwargs, impl, rand):
 
 @pytest.mark.parametrize("case,dtype,impl", CROSS, ids=lambda x: str(x).removeprefix("torch."))
 def test_torch_reference_agrees_with_jax(case, dtype, impl, rand):
-    shape, kwargs = CASES[case]
-    check_agreement(*qk(rand, shape, dtype), kwargs, impl, rand)
+    check_agreement(*qk(rand, BRIDGE[case], dtype), BRIDGE[case].options, impl, rand)
 
 
 # --- section 1 ------------------------------------------------------------------------
@@ -69,8 +75,8 @@ def test_torch_reference_agrees_with_jax(case, dtype, impl, rand):
 def test_strided_scores_follow_the_formula(rand):
     """A[i, j] = sum_s q[i*S + S-1-s] . k[j*S + s] / (sqrt(D) S norm), written as loops;
     lengths 10 and 7 leave partial stride groups, read as zeros; GQA group 2."""
-    stride, norm = 4, 1.5
-    q, k = qk(rand, (1, 2, 1, 10, 7, 3), torch.float64)
+    stride, norm = PARTIAL_GROUPS.stride, 1.5
+    q, k = qk(rand, PARTIAL_GROUPS, torch.float64)
     scores = ref.strided_scores(q, k, stride, norm)
     assert scores.shape == (1, 2, 3, 2) and scores.dtype == torch.float64
 
@@ -97,8 +103,8 @@ def test_causal_probs_hide_the_future_and_sum_to_one(rand):
 
 
 def test_block_sums_rows_and_hierarchy(rand):
-    q, k = qk(rand, (1, 2, 2, 128, 128, 8), torch.float64)
-    probs = ref.attention_probs(ref.strided_scores(q, k, 4), causal=True)
+    q, k = qk(rand, HIERARCHY, torch.float64)
+    probs = ref.attention_probs(ref.strided_scores(q, k, HIERARCHY.stride), causal=True)
     fine, coarse = ref.block_sums(probs, 4), ref.block_sums(probs, 16)
     assert torch.allclose(fine.sum(-1), torch.full(fine.shape[:-1], 4.0, dtype=torch.float64))
     assert torch.allclose(ref.block_sums(fine, 4), coarse, rtol=0, atol=1e-12)
@@ -163,7 +169,7 @@ def test_estimate_refusals():
 # --- section 5 ------------------------------------------------------------------------
 
 def test_kv_block_scores_hierarchical_equals_direct(rand):
-    q, k = qk(rand, (2, 4, 2, 64, 320, 8), torch.float64)
+    q, k = qk(rand, KV_HIERARCHY, torch.float64)
     hierarchical = ref.kv_block_scores(q, k, 128, 32, 8, k_len=300)
     direct = ref.kv_block_scores(q, k, 128, 128, 8, k_len=300)
     assert hierarchical.shape == (2, 4, 3)  # ceil(300 / 128) KV blocks
@@ -178,9 +184,8 @@ def test_kv_block_scores_hierarchical_equals_direct(rand):
 
 def test_kv_block_scores_agree_with_jax_block_sums(rand):
     """JAX's non-causal block sums at the estimate block size, summed the same way."""
-    q, k = qk(rand, (1, 4, 2, 64, 256, 16))
-    sums, _ = bridge.xattn_estimate(q, k, block_size=32, stride=8, causal=False,
-                                    impl="reference")
+    q, k = qk(rand, KV_VS_BLOCK_SUMS)
+    sums, _ = bridge.xattn_estimate(q, k, impl="reference", **KV_VS_BLOCK_SUMS.options)
     from_jax = ref.block_sums(sums.double(), 2).sum(dim=2)  # KV blocks of 64 tokens
     scores = ref.kv_block_scores(q.double(), k.double(), 64, 32, 8)
     np.testing.assert_allclose(from_jax.numpy(), scores.numpy(), rtol=0, atol=1e-5,
@@ -190,7 +195,7 @@ def test_kv_block_scores_agree_with_jax_block_sums(rand):
 def kv_chunk(rand, q_len: int):
     """A chunk's q (float32 torch `[1, 4, q_len, 16]`) and a cache buffer k of 1024
     tokens (`[1, 2, 1024, 16]`), each with its JAX copy."""
-    q, k = qk(rand, (1, 4, 2, q_len, 1024, 16))
+    q, k = qk(rand, dataclasses.replace(KV_CHUNK, q_len=q_len))
     return q, k, jnp.asarray(q.numpy()), jnp.asarray(k.numpy())
 
 
@@ -292,6 +297,5 @@ class TestCuda:
     @pytest.mark.parametrize("causal", [True, False])
     def test_torch_reference_agrees_with_triton_on_gpu(self, dtype, causal, rand):
         """The torch reference runs on the GPU too; the Pallas kernels compile via Triton."""
-        kwargs = dict(block_size=64, stride=8, causal=causal)
-        shape = (1, 8, 2, 1024, 2048, 64) if causal else (2, 4, 4, 1000, 1800, 64)
-        check_agreement(*qk(rand, shape, dtype, device="cuda"), kwargs, "triton", rand)
+        case = dataclasses.replace(GPU_GQA, block_size=64) if causal else GPU_NONCAUSAL
+        check_agreement(*qk(rand, case, dtype, device="cuda"), case.options, "triton", rand)

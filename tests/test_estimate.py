@@ -13,26 +13,14 @@ import numpy as np
 import pytest
 
 import np_reference as npr
-from cases import QKCase
+from cases import EstimateCase
 import xattn_jax
 from xattn_jax import partitioning
 
 
-@dataclasses.dataclass(frozen=True)
-class ApiCase(QKCase):
-    keep_sink: bool = False
-    keep_recent: bool = False
-
+class ApiCase(EstimateCase):
     def run(self, q, k, threshold, impl: str):
-        return xattn_jax.xattn_estimate(
-            q, k, block_size=self.block_size, stride=self.stride, threshold=threshold,
-            causal=self.causal, keep_sink=self.keep_sink, keep_recent=self.keep_recent,
-            impl=impl)
-
-    @property
-    def rules(self):
-        return dict(causal=self.causal, keep_sink=self.keep_sink,
-                    keep_recent=self.keep_recent)
+        return xattn_jax.xattn_estimate(q, k, threshold=threshold, impl=impl, **self.options)
 
 
 CASES = [

@@ -15,9 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cache_state import assert_refused, assert_same, snapshot  # noqa: E402
+from cases import PAGE_SIZE, PAGED  # noqa: E402
 from xattn_torch_bridge import PagedKVCache  # noqa: E402
 
-BS, HKV, D = 64, 2, 16
+BS, HKV, D = PAGE_SIZE, PAGED.kv_heads, PAGED.head_dim
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch CUDA")
 

@@ -15,20 +15,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import xattn_torch_bridge as bridge  # noqa: E402
+from bridge_inputs import needs_cuda  # noqa: E402
 from cache_state import assert_refused, snapshot  # noqa: E402
+from cases import PAGE_SIZE, PAGED  # noqa: E402
 from xattn_torch_bridge import PagedKVCache, XAttentionPolicy, reference  # noqa: E402
 from xattn_torch_bridge import policy as policy_module  # noqa: E402
 
-BS, HKV, HQ, D, EBS, STRIDE = 64, 2, 4, 16, 32, 8
+BS, HKV, HQ, D = PAGE_SIZE, PAGED.kv_heads, PAGED.q_heads, PAGED.head_dim
+EBS, STRIDE = PAGED.block_size, PAGED.stride
 GPU_EBS = 64  # the estimate block size of the Pallas kernel's GPU tests
 EPS = 1e-4  # threshold tolerance: float32 estimate against the float64 reference
 
-needs_cuda = pytest.mark.skipif(not bridge.cuda_available(),
-                                reason="needs torch CUDA and JAX's CUDA backend")
 
-
-def context(rand, length: int, q_len: int = 48):
+def context(rand, length: int, q_len: int = PAGED.q_len):
     """Keys and values `[length, Hkv, D]` and a chunk q `[Hq, q_len, D]`, float32, with
     blocks of different weight: keys lean towards q's common direction by a random
     amount per 32 tokens, so a threshold below 1 selects a strict subset."""
@@ -77,7 +76,7 @@ def check(q, cache, ids, policy, rand, eps: float = EPS) -> list[int]:
     return got
 
 
-@pytest.mark.parametrize("length", [30, 3 * BS, 5 * BS + 17], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("length", [30, 3 * BS, PAGED.k_len], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("kwargs", [dict(threshold=0.5), dict(threshold=0.9),
                                     dict(threshold=0.7, rule="vote"),
                                     dict(threshold=0.6, per_kv_head=True),
@@ -116,7 +115,7 @@ def test_small_pages_select_whole_units(rand, page):
     """Pages smaller than the estimate block: units of several pages (64 tokens here, or
     by default the estimate block), the pages of a unit chosen together, the same tokens
     as a cache of 64-token pages."""
-    k, v, q = context(rand, 5 * BS + 17)
+    k, v, q = context(rand, PAGED.k_len)
     small = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.float32, device="cpu")
     ids = small.append([], k, v)
     big = PagedKVCache(8, BS, HKV, D, dtype=torch.float32, device="cpu")
@@ -148,7 +147,7 @@ def test_defaults_work_for_every_page_size(rand, page):
 
 
 def test_offloaded_blocks_give_the_same_selection(rand):
-    cache, ids, q = make_cache(rand, 5 * BS + 17)
+    cache, ids, q = make_cache(rand, PAGED.k_len)
     policy = XAttentionPolicy(0.6, STRIDE, EBS)
     resident = policy.select_blocks(q, cache, ids)
     cache.offload([ids[1], ids[4]])
@@ -193,7 +192,7 @@ def test_one_computation_one_read_no_upload(rand, monkeypatch):
     """After the first call: one jitted computation, one explicit device-to-host read,
     no host-to-device transfer (the table travels through the cache's buffer, the token
     count inside it), and no recompilation as the context grows within a power of two."""
-    cache, ids, q = make_cache(rand, 5 * BS + 17)
+    cache, ids, q = make_cache(rand, PAGED.k_len)
     policy = XAttentionPolicy(0.7, STRIDE, EBS)
     policy.select_blocks(q, cache, ids[:5])  # compiles for 8 units (5 blocks)
     compiled = policy_module._selection._cache_size()
