@@ -12,7 +12,11 @@ Lq = Lk, causal; median device time per call, `bench.common.time_ms`):
 - `attention-dense-causal-{16k,64k}`: `block_sparse_attention` on an all-true mask.
 - `attention-d{0.1,0.25,0.5}-causal-{16k,64k}`: on random masks keeping each causally
   visible block with probability d, the diagonal block always.
-- `xattention-causal-128k`: `xattention` (estimate + attention, threshold 0.9, stride 8)
+- `attention-d0.25-chunk4096-ctx64k[-paged{4096,128}]`: the last 4096 queries of such a
+  64K call (a chunk over its cached context), k and v contiguous or in a paged cache of
+  4096- or 128-token pages, shuffled, read through the block table.
+- `xattention-causal-128k`: `xattention` (estimate + attention, threshold 0.9 or
+  `--threshold`, stride 8)
   on the structured synthetic data of `xattn_jax.demo.synthetic` (8 heads, each query
   head repeated to its 4 GQA query heads), v random.
 floor_ms: 4 * D * (visible allowed (query, key) pairs, summed over heads) FLOPs at the
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -48,13 +53,29 @@ SMOKE = Sizes(q_heads=4, kv_heads=2, head_dim=32, block=32,
               lengths=(("16k", 256), ("64k", 512), ("128k", 1024)), quality_length=512)
 
 
-def _cases() -> dict[str, tuple[str, str, float | None]]:
-    """name -> (kind, length name, mask density)."""
-    cases = {f"cudnn-causal-{n}": ("cudnn", n, None) for n in ("16k", "64k", "128k")}
-    cases.update({f"attention-dense-causal-{n}": ("sparse", n, 1.0) for n in ("16k", "64k")})
-    cases.update({f"attention-d{d}-causal-{n}": ("sparse", n, d)
+class Case(NamedTuple):
+    """kind: "cudnn", "sparse" or "xattention"; length: a `Sizes.lengths` name; density:
+    of the random mask ("sparse"); chunk: queries as a share of the keys (the last ones),
+    1 for Lq = Lk; page: tokens per page of a paged cache at 64K keys (scaled with the
+    length, at least a block), None for contiguous k and v."""
+
+    kind: str
+    length: str
+    density: float | None = None
+    chunk: float = 1.0
+    page: int | None = None
+
+
+def _cases() -> dict[str, Case]:
+    cases = {f"cudnn-causal-{n}": Case("cudnn", n) for n in ("16k", "64k", "128k")}
+    cases.update({f"attention-dense-causal-{n}": Case("sparse", n, 1.0)
+                  for n in ("16k", "64k")})
+    cases.update({f"attention-d{d}-causal-{n}": Case("sparse", n, d)
                   for d in DENSITIES for n in ("16k", "64k")})
-    cases["xattention-causal-128k"] = ("xattention", "128k", None)
+    cases.update({f"attention-d0.25-chunk4096-ctx64k{'-paged' + str(page) if page else ''}":
+                  Case("sparse", "64k", 0.25, chunk=1 / 16, page=page)
+                  for page in (None, 4096, 128)})
+    cases["xattention-causal-128k"] = Case("xattention", "128k")
     return cases
 
 
@@ -79,6 +100,19 @@ def structured_qkv(length: int, sz: Sizes, dtype=jnp.bfloat16, seed: int = 0):
     q = jnp.repeat(data.q, sz.q_heads // sz.kv_heads, axis=1)
     v = jax.random.normal(jax.random.PRNGKey(seed + 1), data.k.shape, jnp.float32)
     return q.astype(dtype), data.k.astype(dtype), v.astype(dtype)
+
+
+def paged_cache(k: jax.Array, v: jax.Array, page_size: int, seed: int = 0):
+    """k, v `[1, Hkv, L, D]` as page pools `[L / page_size + 1, page_size, Hkv, D]` in a
+    shuffled order (one spare page) and their block table int32 `[1, L / page_size]`."""
+    pages = k.shape[2] // page_size
+    table = np.random.default_rng(seed).permutation(pages + 1)[:pages]
+
+    def pool(x):
+        x = x.reshape(x.shape[1], pages, page_size, -1).transpose(1, 2, 0, 3)
+        return jnp.zeros((pages + 1,) + x.shape[1:], x.dtype).at[table].set(x)
+
+    return pool(k), pool(v), jnp.asarray(table[None], jnp.int32)
 
 
 def causal_mask(length: int, sz: Sizes, density: float, seed: int = 0) -> jax.Array:
@@ -123,19 +157,20 @@ def attention_flops(mask, q_len: int, k_len: int, sz: Sizes) -> tuple[float, flo
     return 4.0 * sz.head_dim * allowed, allowed / visible
 
 
-def impl_label(impl: str, sz: Sizes) -> str:
+def impl_label(impl: str, sz: Sizes, page_size: int | None = None) -> str:
     """Which attention `impl` runs on JAX's default device for bf16 inputs of these sizes
-    (`xattn_jax.impls`), for the records."""
+    (and pages of `page_size` tokens; None: contiguous) (`xattn_jax.impls`), for the
+    records."""
     return impls.resolve(impl, op=impls.ATTENTION, device=jax.devices()[0],
                          attention_args=(sz.head_dim, sz.head_dim, jnp.bfloat16,
-                                         sz.block)).name
+                                         sz.block, page_size)).name
 
 
 # --- cases -----------------------------------------------------------------------------
 
-def run_case(name: str, sz: Sizes, impl: str) -> dict:
-    kind, length_name, density = CASES[name]
-    length, reps = sz.length(length_name), REPS[length_name]
+def run_case(name: str, sz: Sizes, impl: str, threshold: float = THRESHOLD) -> dict:
+    case = CASES[name]
+    kind, length, reps = case.kind, sz.length(case.length), REPS[case.length]
     extra = {}
     if kind == "cudnn":
         dense_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -149,27 +184,35 @@ def run_case(name: str, sz: Sizes, impl: str) -> dict:
         flops = 4.0 * sz.head_dim * sz.q_heads * length * (length + 1) / 2
     elif kind == "sparse":
         q, k, v = random_qkv(length, sz)
-        mask = causal_mask(length, sz, density)
+        mask = causal_mask(length, sz, case.density)
+        q_len = round(length * case.chunk)  # the last q_len queries
+        q, mask = q[:, :, length - q_len:], mask[:, :, (length - q_len) // sz.block:]
+        table, page_size = None, None
+        if case.page is not None:
+            page_size = max(sz.block, case.page * length // 65536)
+            k, v, table = paged_cache(k, v, page_size)
+            extra["page_size"] = page_size
 
-        def fn(q, k, v, mask):
+        def fn(q, k, v, mask, table):
             return block_sparse_attention(q, k, v, mask, block_size=sz.block,
-                                          causal=True, impl=impl)
+                                          causal=True, block_table=table, impl=impl)
 
-        args, label = (q, k, v, mask), f"xattn-jax/{impl_label(impl, sz)}"
-        flops, extra["density"] = attention_flops(mask, length, length, sz)
+        args = (q, k, v, mask, table)
+        label = f"xattn-jax/{impl_label(impl, sz, page_size)}"
+        flops, extra["density"] = attention_flops(mask, q_len, length, sz)
     else:
         q, k, v = structured_qkv(length, sz)
 
         def fn(q, k, v):
-            return xattention(q, k, v, threshold=THRESHOLD, block_size=sz.block,
+            return xattention(q, k, v, threshold=threshold, block_size=sz.block,
                               stride=sz.stride, causal=True, impl=impl)
 
         args, label = (q, k, v), f"xattn-jax/{impl_label(impl, sz)}"
-        _, mask = xattention(*args, threshold=THRESHOLD, block_size=sz.block,
+        _, mask = xattention(*args, threshold=threshold, block_size=sz.block,
                              stride=sz.stride, causal=True, impl=impl, return_mask=True)
         flops, extra["density"] = attention_flops(mask, length, length, sz)
         flops += strided_flops(sz.q_heads, length, length, sz.stride, sz.head_dim, True)
-        extra["threshold"] = THRESHOLD
+        extra["threshold"] = threshold
     ms = time_ms(fn, [args], warmup=2, reps=reps)
     floor = floor_ms(flops)
     row = record(name, label, ms, floor, jax_extra_mib(fn, *args)) | extra
@@ -187,6 +230,8 @@ def main(argv=None) -> None:
     parser.add_argument("--impl", default="auto", choices=("auto", "reference", "mosaic"),
                         help="the attention's implementation (default auto)")
     parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--threshold", type=float, default=THRESHOLD,
+                        help=f"the xattention row's threshold (default {THRESHOLD})")
     parser.add_argument("--quality", action="store_true",
                         help="the quality sweep instead (bench.attention_quality)")
     parser.add_argument("--md", help="--quality: the report's path")
@@ -206,7 +251,7 @@ def main(argv=None) -> None:
     records = []
     for i, name in enumerate(names):
         log(f"[{i + 1}/{len(names)}] {name}")
-        records.append(run_case(name, sz, args.impl))
+        records.append(run_case(name, sz, args.impl, args.threshold))
         if args.json:  # after every case, so a cut-short run keeps what it measured
             write_json(args.json, records)
     print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
