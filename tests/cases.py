@@ -1,5 +1,5 @@
-"""Test helper: the q/k shape cases of the tests, in the one format of `bench.cases`: the
-case classes of the block-sum and estimate suites, and the shapes the bridge and
+"""Test helper: the shape cases of the tests, in the one format of `bench.cases`: the case
+classes of the block-sum, estimate and attention suites, and the shapes the bridge and
 paged-cache tests share (torch-free, like every module the xattn_jax tests import)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import np_attention
 from bench.cases import Shape
 
 # float32 results, relative to the largest reference value: 1e-5 on CPU (the contract),
@@ -50,6 +51,48 @@ class EstimateCase(QKCase):
         """The keyword arguments of `xattn_estimate` (xattn_jax's, the bridge's and the
         torch reference's) but the threshold: block_size, stride and the rules."""
         return dict(block_size=self.block_size, stride=self.stride, **self.rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase(Shape):
+    """A `bench.cases.Shape` for block-sparse attention, with the random block mask its
+    tests draw.
+
+    stride, block_size and causal default to `xattention`'s (8, 128, True), so that a case
+    names only what it changes; density: the share of key blocks the mask keeps;
+    empty_rows: the share of query-block rows it leaves without any; keys_in_use: the keys
+    a call sees, its k_len (None: all k_len).
+    """
+
+    stride: int = 8
+    block_size: int = 128
+    causal: bool = True
+    density: float = 0.5
+    empty_rows: float = 0.0
+    keys_in_use: int | None = None
+
+    @property
+    def mask_shape(self) -> tuple[int, int, int, int]:
+        """`[batch, q_heads, ceil(q_len / block_size), ceil(k_len / block_size)]`"""
+        return (self.batch, self.q_heads, -(-self.q_len // self.block_size),
+                -(-self.k_len // self.block_size))
+
+    @property
+    def options(self) -> dict:
+        """The keyword arguments of the attention that the case fixes: block_size, causal."""
+        return dict(block_size=self.block_size, causal=self.causal)
+
+    def qkv(self, rand, qk_scale: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v of this shape and dtype, standard normal, q and k times qk_scale."""
+        return (rand.normal(self.q_shape, self.dtype, qk_scale),
+                rand.normal(self.k_shape, self.dtype, qk_scale),
+                rand.normal(self.v_shape, self.dtype))
+
+    def mask(self, rand) -> jax.Array:
+        """A random bool mask `mask_shape` of this case's density and empty rows."""
+        return jnp.asarray(np_attention.random_mask(rand.rng, self.mask_shape,
+                                                    density=self.density,
+                                                    empty_rows=self.empty_rows))
 
 
 # the estimate cases each checked through the bridge against xattn_jax and the torch

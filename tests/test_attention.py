@@ -4,6 +4,7 @@ the implementation choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 import np_attention as npa
 import xattn_jax
+from cases import AttentionCase
 from xattn_jax import impls, mosaic, partitioning
 from xattn_jax.reference.attention import block_sparse_attention as reference_attention
 
@@ -31,82 +33,72 @@ def xattend(q, k, v, **kwargs):
     return xattn_jax.xattention(q, k, v, **{"impl": "reference", **kwargs})
 
 
-def qkv(rand, b, hq, hkv, lq, lk, d, dv=None, dtype=jnp.float32):
-    """q `[b, hq, lq, d]`, k `[b, hkv, lk, d]`, v `[b, hkv, lk, dv]`; q and k scaled so
-    softmax rows are peaked but not degenerate."""
-    return (rand.normal((b, hq, lq, d), dtype, 1.5), rand.normal((b, hkv, lk, d), dtype, 1.5),
-            rand.normal((b, hkv, lk, dv or d), dtype))
+def qkv(rand, case: AttentionCase):
+    """`case.qkv` with q and k scaled so that softmax rows are peaked but not degenerate."""
+    return case.qkv(rand, qk_scale=1.5)
 
 
-def blocks(n: int, block_size: int) -> int:
-    return -(-n // block_size)
-
-
-def mask_for(rand, b, hq, lq, lk, block_size, *, density=0.5, empty_rows=0.2):
-    shape = (b, hq, blocks(lq, block_size), blocks(lk, block_size))
-    return jnp.asarray(npa.random_mask(rand.rng, shape, density=density,
-                                       empty_rows=empty_rows))
-
-
-def assert_matches_model(out, lse, q, k, v, mask, *, block_size, causal, rand, tol=F32_TOL,
-                         **model_kwargs):
-    want, want_lse = npa.attention(q, k, v, mask, block_size=block_size, causal=causal,
+def assert_matches_model(out, lse, q, k, v, mask, case: AttentionCase, rand, *,
+                         tol=F32_TOL, **model_kwargs):
+    """out and lse as the float64 model's for `case` (its block size, causal flag and keys
+    in use)."""
+    want, want_lse = npa.attention(q, k, v, mask, block_size=case.block_size,
+                                   causal=case.causal, n_keys=case.keys_in_use,
                                    **model_kwargs)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, err_msg=str(rand), **tol)
     np.testing.assert_allclose(np.asarray(lse), want_lse, err_msg=str(rand), **tol)
 
 
-# (B, Hq, Hkv, Lq, Lk, D, Dv, block_size, causal)
-CASES = {
-    "gqa-causal-odd": (1, 4, 2, 37, 131, 16, 16, 16, True),
-    "gqa-noncausal-dv": (2, 4, 2, 37, 131, 16, 8, 16, False),
-    "square-causal": (1, 2, 1, 64, 64, 8, 8, 16, True),
-    "mha-ragged-block": (1, 2, 2, 50, 53, 8, 12, 8, True),
-}
+CASES = {case.id: case for case in (
+    AttentionCase("gqa-causal-odd", 1, 4, 2, 37, 131, 16, block_size=16, empty_rows=0.2),
+    AttentionCase("gqa-noncausal-dv", 2, 4, 2, 37, 131, 16, block_size=16, causal=False,
+                  v_head_dim=8, empty_rows=0.2),
+    AttentionCase("square-causal", 1, 2, 1, 64, 64, 8, block_size=16, empty_rows=0.2),
+    AttentionCase("mha-ragged-block", 1, 2, 2, 50, 53, 8, block_size=8, v_head_dim=12,
+                  empty_rows=0.2),
+)}
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES.values(), ids=lambda case: case.id)
 def test_matches_numpy_model(case, rand):
-    b, hq, hkv, lq, lk, d, dv, bs, causal = CASES[case]
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
-    mask = mask_for(rand, b, hq, lq, lk, bs)
-    out, lse = attend(q, k, v, mask, block_size=bs, causal=causal, return_lse=True)
-    assert out.shape == (b, hq, lq, dv) and out.dtype == q.dtype
-    assert lse.shape == (b, hq, lq) and lse.dtype == jnp.float32
-    assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal, rand=rand)
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
+    out, lse = attend(q, k, v, mask, return_lse=True, **case.options)
+    assert out.shape == case.q_shape[:3] + case.v_shape[3:] and out.dtype == q.dtype
+    assert lse.shape == case.q_shape[:3] and lse.dtype == jnp.float32
+    assert_matches_model(out, lse, q, k, v, mask, case, rand)
 
 
 @pytest.mark.parametrize("tile,rows", [(16, 10), (48, 7), (131, 37), (7, 36), (500, 99)])
 def test_tiles_and_chunks_change_nothing(tile, rows, rand):
     """Several key tiles and query chunks, the last of each clamped (overlapping the one
     before it), tiles that are not whole blocks: the same results as the model."""
-    b, hq, hkv, lq, lk, d, dv, bs, causal = CASES["gqa-causal-odd"]
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
-    mask = mask_for(rand, b, hq, lq, lk, bs)
+    case = CASES["gqa-causal-odd"]
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
     out, lse = jax.jit(reference_attention, static_argnames=(
         "block_size", "causal", "return_lse", "key_tile_size", "query_chunk_size"))(
-        q, k, v, mask, block_size=bs, causal=causal, return_lse=True, key_tile_size=tile,
-        query_chunk_size=rows)
-    assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal, rand=rand)
+        q, k, v, mask, return_lse=True, key_tile_size=tile, query_chunk_size=rows,
+        **case.options)
+    assert_matches_model(out, lse, q, k, v, mask, case, rand)
 
 
 def test_scale(rand):
-    q, k, v = qkv(rand, 1, 2, 1, 20, 40, 8)
-    mask = mask_for(rand, 1, 2, 20, 40, 8, empty_rows=0.0)
-    out, lse = attend(q, k, v, mask, block_size=8, scale=0.7,
+    case = AttentionCase("scale", 1, 2, 1, 20, 40, 8, block_size=8)
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
+    out, lse = attend(q, k, v, mask, block_size=case.block_size, scale=0.7,
                       return_lse=True)
-    assert_matches_model(out, lse, q, k, v, mask, block_size=8, causal=True, rand=rand,
-                         scale=0.7)
+    assert_matches_model(out, lse, q, k, v, mask, case, rand, scale=0.7)
 
 
 def test_empty_rows_give_zeros_and_minus_inf(rand):
-    b, hq, hkv, lq, lk, d, dv, bs, causal = CASES["gqa-noncausal-dv"]
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
-    mask = np.array(mask_for(rand, b, hq, lq, lk, bs, density=0.6, empty_rows=0.0))
+    case = dataclasses.replace(CASES["gqa-noncausal-dv"], density=0.6, empty_rows=0.0)
+    q, k, v = qkv(rand, case)
+    mask = np.array(case.mask(rand))
     mask[0, 1, 1] = False  # rows 16..31 of head 1
     mask[1] = False  # the whole second batch element
-    out, lse = attend(q, k, v, jnp.asarray(mask), block_size=bs,
-                      causal=causal, return_lse=True)
+    out, lse = attend(q, k, v, jnp.asarray(mask), return_lse=True, **case.options)
     out, lse = np.asarray(out), np.asarray(lse)
     for rows in (out[0, 1, 16:32], out[1]):
         assert np.all(rows == 0), rand
@@ -118,46 +110,45 @@ def test_empty_rows_give_zeros_and_minus_inf(rand):
 def test_causal_rows_before_their_first_allowed_key(rand):
     """Causal with Lq = Lk: mask only the diagonal's later blocks; a row whose allowed
     blocks all lie after it sees nothing."""
-    q, k, v = qkv(rand, 1, 1, 1, 32, 32, 8)
+    case = AttentionCase("one-head", 1, 1, 1, 32, 32, 8, block_size=16)
+    q, k, v = qkv(rand, case)
     mask = jnp.asarray([[[[False, True], [False, False]]]])  # rows 0-15 may see keys 16-31
-    out, lse = attend(q, k, v, mask, block_size=16, causal=True,
-                      return_lse=True)
+    out, lse = attend(q, k, v, mask, return_lse=True, **case.options)
     assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf), rand
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_all_true_mask_is_dense_attention(causal, rand):
-    b, hq, hkv, lq, lk, d = 1, 4, 2, 37, 131, 16
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d)
-    mask = jnp.ones((b, hq, blocks(lq, 16), blocks(lk, 16)), bool)
-    out, lse = attend(q, k, v, mask, block_size=16, causal=causal,
-                      return_lse=True)
-    assert_matches_model(out, lse, q, k, v, None, block_size=16, causal=causal, rand=rand)
-    pairs = npa.allowed_pairs(None, q_len=lq, k_len=lk, block_size=16, causal=causal)
+    case = dataclasses.replace(CASES["gqa-causal-odd"], causal=causal)
+    q, k, v = qkv(rand, case)
+    mask = jnp.ones(case.mask_shape, bool)
+    out, lse = attend(q, k, v, mask, return_lse=True, **case.options)
+    assert_matches_model(out, lse, q, k, v, None, case, rand)
+    pairs = npa.allowed_pairs(None, q_len=case.q_len, k_len=case.k_len,
+                              block_size=case.block_size, causal=causal)
     dense = jax.nn.dot_product_attention(  # [B, L, H, D] layout, GQA by head groups
         q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-        mask=jnp.asarray(np.broadcast_to(pairs, (b, hq, lq, lk))), implementation="xla")
+        mask=jnp.asarray(np.broadcast_to(pairs, case.q_shape[:3] + (case.k_len,))),
+        implementation="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense.transpose(0, 2, 1, 3)),
                                err_msg=str(rand), **F32_TOL)
 
 
 def test_bf16(rand):
-    b, hq, hkv, lq, lk, d, dv, bs, causal = CASES["gqa-causal-odd"]
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv, dtype=jnp.bfloat16)
-    mask = mask_for(rand, b, hq, lq, lk, bs)
-    out, lse = attend(q, k, v, mask, block_size=bs, causal=causal,
-                      return_lse=True)
+    case = dataclasses.replace(CASES["gqa-causal-odd"], dtype=jnp.bfloat16)
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
+    out, lse = attend(q, k, v, mask, return_lse=True, **case.options)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     # the model reads the same bf16 values, exactly upcast
-    assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal, rand=rand,
-                         tol=BF16_TOL)
+    assert_matches_model(out, lse, q, k, v, mask, case, rand, tol=BF16_TOL)
 
 
 def test_reruns_are_bit_identical(rand):
-    b, hq, hkv, lq, lk, d, dv, bs, causal = CASES["gqa-causal-odd"]
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
-    mask = mask_for(rand, b, hq, lq, lk, bs)
-    runs = [attend(q, k, v, mask, block_size=bs, return_lse=True)
+    case = CASES["gqa-causal-odd"]
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
+    runs = [attend(q, k, v, mask, block_size=case.block_size, return_lse=True)
             for _ in range(2)]
     for first, second in zip(*runs):
         assert np.asarray(first).tobytes() == np.asarray(second).tobytes(), rand
@@ -165,17 +156,19 @@ def test_reruns_are_bit_identical(rand):
 
 # --- non-finite inputs -----------------------------------------------------------------
 
+NAN_CASE = AttentionCase("one-head-48", 1, 1, 1, 48, 48, 8, block_size=16)
+
+
 def _nan_case(rand):
-    """Lq = Lk = 48, block 16, causal, one head: a mask where key block 1 is allowed for
-    query block 1 only and key block 2 is allowed for no query block."""
-    q, k, v = qkv(rand, 1, 1, 1, 48, 48, 8)
+    """`NAN_CASE` (Lq = Lk = 48, block 16, causal, one head): a mask where key block 1 is
+    allowed for query block 1 only and key block 2 is allowed for no query block."""
+    q, k, v = qkv(rand, NAN_CASE)
     mask = jnp.asarray([[[[True, False, False], [True, True, False], [True, False, False]]]])
     return q, k, v, mask
 
 
-def _run(q, k, v, mask, **kwargs):
-    out, lse = attend(q, k, v, mask, block_size=16,
-                      return_lse=True, **kwargs)
+def _run(q, k, v, mask):
+    out, lse = attend(q, k, v, mask, return_lse=True, **NAN_CASE.options)
     return np.asarray(out), np.asarray(lse)
 
 
@@ -225,7 +218,7 @@ def test_minus_inf_score_is_weight_zero(rand):
     out, lse = _run(q, k.at[:, :, 3, 0].set(-jnp.inf), v, mask)
     keep = (np.arange(48) != 3) & (np.arange(48) <= 10)  # causal: row 10 sees keys 0..10
     scores = np.asarray(k, np.float64)[0, 0, keep] @ np.asarray(q, np.float64)[0, 0, 10]
-    scores /= np.sqrt(8)
+    scores /= np.sqrt(NAN_CASE.head_dim)
     weights = np.exp(scores - scores.max())
     expected = weights @ np.asarray(v, np.float64)[0, 0, keep] / weights.sum()
     np.testing.assert_allclose(out[0, 0, 10], expected, err_msg=str(rand), **F32_TOL)
@@ -239,16 +232,16 @@ def test_minus_inf_score_is_weight_zero(rand):
 
 @pytest.mark.parametrize("page_size", [8, 12])
 def test_paged_cache_equals_contiguous(page_size, rand):
-    b, hq, hkv, lq, lk, d, dv, bs = 2, 4, 2, 20, 96, 8, 4, 16
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, dv)
-    mask = mask_for(rand, b, hq, lq, lk, bs)
+    case = AttentionCase("paged", 2, 4, 2, 20, 96, 8, block_size=16, v_head_dim=4,
+                         empty_rows=0.2)
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
     k_pages, v_pages, table = rand.paged(page_size, k, v)
     for causal in (True, False):
-        want = attend(q, k, v, mask, block_size=bs, causal=causal,
+        want = attend(q, k, v, mask, block_size=case.block_size, causal=causal,
                       return_lse=True)
-        got = attend(q, k_pages, v_pages, mask, block_size=bs,
-                     causal=causal, return_lse=True,
-                     block_table=table)
+        got = attend(q, k_pages, v_pages, mask, block_size=case.block_size,
+                     causal=causal, return_lse=True, block_table=table)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
                                        err_msg=str(rand))
@@ -257,24 +250,22 @@ def test_paged_cache_equals_contiguous(page_size, rand):
 def test_k_len_hides_later_keys_without_recompiling(rand):
     """A padded cache with NaN past k_len: the model on the keys in use, the queries the
     last Lq of them; a traced k_len compiles once for every value."""
-    b, hq, hkv, lq, capacity, d, bs = 1, 2, 1, 12, 64, 8, 16
-    q, k, v = qkv(rand, b, hq, hkv, lq, capacity, d)
-    mask = mask_for(rand, b, hq, lq, capacity, bs, empty_rows=0.0)
+    case = AttentionCase("padded", 1, 2, 1, 12, 64, 8, block_size=16)  # k_len: capacity
+    q, k, v = qkv(rand, case)
+    mask = case.mask(rand)
     before = partitioning._run._cache_size()
     for n in (40, 57, 12):
-        garbage = jnp.arange(capacity) >= n
+        garbage = jnp.arange(case.k_len) >= n
         k_pad = jnp.where(garbage[:, None], jnp.nan, k)
         v_pad = jnp.where(garbage[:, None], jnp.inf, v)
         for causal in (True, False):
-            out, lse = attend(
-                q, k_pad, v_pad, mask, block_size=bs, causal=causal, return_lse=True,
-                k_len=jnp.int32(n))
-            assert_matches_model(out, lse, q, k, v, mask, block_size=bs, causal=causal,
-                                 rand=rand, n_keys=n)
+            seen = dataclasses.replace(case, causal=causal, keys_in_use=n)
+            out, lse = attend(q, k_pad, v_pad, mask, return_lse=True, k_len=jnp.int32(n),
+                              **seen.options)
+            assert_matches_model(out, lse, q, k, v, mask, seen, rand)
     assert partitioning._run._cache_size() - before == 2  # one per causal value
-    out_int = attend(q, k, v, mask, block_size=bs, k_len=40)
-    out_arr = attend(q, k, v, mask, block_size=bs,
-                     k_len=jnp.int32(40))
+    out_int = attend(q, k, v, mask, block_size=case.block_size, k_len=40)
+    out_arr = attend(q, k, v, mask, block_size=case.block_size, k_len=jnp.int32(40))
     np.testing.assert_array_equal(np.asarray(out_int), np.asarray(out_arr))
 
 
@@ -282,13 +273,14 @@ def test_k_len_hides_later_keys_without_recompiling(rand):
 def test_reference_never_builds_a_query_by_key_array(rows, share):
     """Compiled (not run) at Lq = Lk = 16384, 2 heads: XLA's temporaries stay below
     1/share of one float32 [Lq, Lk] score matrix per head, and shrink with the chunk."""
-    b, h, length, d = 1, 2, 16384, 64
-    x = jax.ShapeDtypeStruct((b, h, length, d), jnp.float32)
-    mask = jax.ShapeDtypeStruct((b, h, length // 128, length // 128), jnp.bool_)
+    case = AttentionCase("mha-16k", 1, 2, 2, 16384, 16384, 64)
+    q, k, v = (jax.ShapeDtypeStruct(shape, case.dtype)
+               for shape in (case.q_shape, case.k_shape, case.v_shape))
+    mask = jax.ShapeDtypeStruct(case.mask_shape, jnp.bool_)
     fn = jax.jit(reference_attention, static_argnames=("block_size", "query_chunk_size"))
-    stats = fn.lower(x, x, x, mask, block_size=128,
+    stats = fn.lower(q, k, v, mask, block_size=case.block_size,
                      query_chunk_size=rows).compile().memory_analysis()
-    full = b * h * length * length * 4
+    full = case.batch * case.q_heads * case.q_len * case.k_len * 4
     assert stats.temp_size_in_bytes < full / share, stats.temp_size_in_bytes
 
 
@@ -296,25 +288,25 @@ def test_reference_never_builds_a_query_by_key_array(rows, share):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_xattention_is_estimate_then_attention(causal, rand):
-    b, hq, hkv, lq, lk, d, bs, stride = 1, 4, 2, 64, 128, 16, 16, 4
-    q, k, v = qkv(rand, b, hq, hkv, lq, lk, d, 8)
-    out, mask = xattend(q, k, v, threshold=0.8, block_size=bs, stride=stride,
-                        causal=causal, return_mask=True)
-    _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.8, block_size=bs,
-                                            stride=stride, causal=causal, impl="reference")
+    case = AttentionCase("xattention-gqa", 1, 4, 2, 64, 128, 16, stride=4, block_size=16,
+                         causal=causal, v_head_dim=8)
+    layout = dict(case.options, stride=case.stride)
+    q, k, v = qkv(rand, case)
+    out, mask = xattend(q, k, v, threshold=0.8, return_mask=True, **layout)
+    _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.8, impl="reference", **layout)
     np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask), err_msg=str(rand))
     assert not np.all(np.asarray(mask)), "a mask with nothing dropped tests little"
-    want = attend(q, k, v, want_mask, block_size=bs, causal=causal)
+    want = attend(q, k, v, want_mask, **case.options)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6,
                                err_msg=str(rand))
-    alone = xattend(q, k, v, threshold=0.8, block_size=bs, stride=stride,
-                    causal=causal)
+    alone = xattend(q, k, v, threshold=0.8, **layout)
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(out))
 
 
 def test_xattention_threshold_is_data(rand):
-    q, k, v = qkv(rand, 1, 2, 2, 64, 64, 8)
-    kwargs = dict(block_size=16, stride=4, return_mask=True)
+    case = AttentionCase("xattention-mha", 1, 2, 2, 64, 64, 8, stride=4, block_size=16)
+    q, k, v = qkv(rand, case)
+    kwargs = dict(block_size=case.block_size, stride=case.stride, return_mask=True)
     xattend(q, k, v, threshold=0.9, **kwargs)
     compiled = partitioning._run._cache_size()
     masks = [np.asarray(xattend(q, k, v, threshold=t, **kwargs)[1])
@@ -328,12 +320,15 @@ def test_xattention_threshold_is_data(rand):
 
 # --- arguments -------------------------------------------------------------------------
 
+VALID = AttentionCase("valid", 1, 4, 2, 20, 40, 8, block_size=8, v_head_dim=6)
+
+
 def _valid():
-    """A valid call's arguments: (q, k, v, mask), keyword arguments."""
-    q = jnp.zeros((1, 4, 20, 8), jnp.float32)
-    k = jnp.zeros((1, 2, 40, 8), jnp.float32)
-    v = jnp.zeros((1, 2, 40, 6), jnp.float32)
-    return [q, k, v, jnp.ones((1, 4, 3, 5), bool)], dict(block_size=8)
+    """A valid call's arguments for `VALID` (zeros, every block): (q, k, v, mask), keyword
+    arguments."""
+    q, k, v = (jnp.zeros(shape, VALID.dtype)
+               for shape in (VALID.q_shape, VALID.k_shape, VALID.v_shape))
+    return [q, k, v, jnp.ones(VALID.mask_shape, bool)], dict(block_size=VALID.block_size)
 
 
 BAD = {  # name -> (argument index or keyword, value, words the error must contain)
@@ -441,15 +436,21 @@ def test_impl_choice(monkeypatch):
 
 # --- on a GPU: the chosen implementation (the Mosaic kernel on Hopper) at kernel shapes --
 
+# GQA 8:2 at D 128, bf16, 4k x 4k (tests vary the lengths), blocks of 128, causal
+GPU = AttentionCase("gpu-gqa", 1, 8, 2, 4096, 4096, 128, dtype=jnp.bfloat16, density=0.3,
+                    empty_rows=0.1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestGpu:
     @pytest.mark.parametrize("lq,lk", [(2048, 2048), (1024, 4096)])
     def test_auto_matches_reference(self, lq, lk, rand):
-        q, k, v = qkv(rand, 1, 8, 2, lq, lk, 128, dtype=jnp.bfloat16)
-        mask = mask_for(rand, 1, 8, lq, lk, 128, density=0.3, empty_rows=0.1)
-        got = attend(q, k, v, mask, block_size=128, return_lse=True, impl="auto")
-        want = attend(q, k, v, mask, block_size=128, return_lse=True)
+        case = dataclasses.replace(GPU, q_len=lq, k_len=lk)
+        q, k, v = qkv(rand, case)
+        mask = case.mask(rand)
+        got = attend(q, k, v, mask, block_size=case.block_size, return_lse=True, impl="auto")
+        want = attend(q, k, v, mask, block_size=case.block_size, return_lse=True)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                        err_msg=str(rand), **BF16_TOL)
@@ -457,21 +458,22 @@ class TestGpu:
     def test_auto_reads_paged_caches(self, rand):
         """Pages of whole key tiles: "auto" takes the Mosaic kernel on Hopper, which reads
         the pages through the block table; the result equals the contiguous reference."""
-        q, k, v = qkv(rand, 2, 8, 2, 1024, 4096, 128, dtype=jnp.bfloat16)
-        mask = mask_for(rand, 2, 8, 1024, 4096, 128, density=0.3, empty_rows=0.1)
+        case = dataclasses.replace(GPU, batch=2, q_len=1024, keys_in_use=3500)
+        q, k, v = qkv(rand, case)
+        mask = case.mask(rand)
         k_pages, v_pages, table = rand.paged(256, k, v)
-        got = attend(q, k_pages, v_pages, mask, block_size=128, return_lse=True,
-                     block_table=table, k_len=3500, impl="auto")
-        want = attend(q, k, v, mask, block_size=128, return_lse=True, k_len=3500)
+        got = attend(q, k_pages, v_pages, mask, block_size=case.block_size, return_lse=True,
+                     block_table=table, k_len=case.keys_in_use, impl="auto")
+        want = attend(q, k, v, mask, block_size=case.block_size, return_lse=True,
+                      k_len=case.keys_in_use)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                        err_msg=str(rand), **BF16_TOL)
 
     def test_dense_matches_cudnn(self, rand):
-        b, hq, hkv, length, d = 1, 8, 2, 4096, 128
-        q, k, v = qkv(rand, b, hq, hkv, length, length, d, dtype=jnp.bfloat16)
-        everything = jnp.ones((b, hq, length // 128, length // 128), bool)
-        out = attend(q, k, v, everything, block_size=128, impl="auto")
+        q, k, v = qkv(rand, GPU)
+        everything = jnp.ones(GPU.mask_shape, bool)
+        out = attend(q, k, v, everything, block_size=GPU.block_size, impl="auto")
         dense = jax.nn.dot_product_attention(
             *(x.transpose(0, 2, 1, 3) for x in (q, k, v)), is_causal=True,
             implementation="cudnn").transpose(0, 2, 1, 3)
@@ -479,10 +481,10 @@ class TestGpu:
                                    err_msg=str(rand), **BF16_TOL)
 
     def test_xattention(self, rand):
-        q, k, v = qkv(rand, 1, 8, 2, 4096, 4096, 128, dtype=jnp.bfloat16)
+        q, k, v = qkv(rand, GPU)
         out, mask = xattend(q, k, v, threshold=0.9, return_mask=True, impl="auto")
         _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.9)
         np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask))
-        want = attend(q, k, v, want_mask, block_size=128, impl="auto")
+        want = attend(q, k, v, want_mask, block_size=GPU.block_size, impl="auto")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                    err_msg=str(rand), **BF16_TOL)

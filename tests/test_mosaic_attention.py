@@ -14,12 +14,15 @@ the compiled kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import mosaic_interpret
 import numpy as np
 import pytest
 
+from cases import AttentionCase
 from xattn_jax import mosaic
 from xattn_jax.mosaic import attention
 from xattn_jax.mosaic.plan import AttentionPlan
@@ -28,19 +31,44 @@ needs_hopper = pytest.mark.skipif(mosaic.available() is not None,
                                   reason=str(mosaic.available()))
 
 
-def reference_attention(q, k, v, mask, *, block_size, causal, scale, keys_in_use=None):
-    """float64 out [B, Hq, Lq, D] and lse [B, Hq, Lq] of section 6 (dense, mask expanded),
-    n = `keys_in_use` (default Lk) keys in use."""
+@dataclasses.dataclass(frozen=True)
+class KernelCase(AttentionCase):
+    """An `AttentionCase` run by the Mosaic kernel: its plan overrides (None: the plan's
+    choice) and the page size of a paged cache (None: contiguous)."""
+
+    block_kv: int | None = None
+    stages: int | None = None
+    page_size: int | None = None
+
+    @property
+    def kernel_options(self) -> dict:
+        """The kernel's keyword arguments that the case fixes: `options`, the keys in use
+        as k_len and the plan overrides."""
+        return dict(self.options, k_len=self.keys_in_use, block_kv=self.block_kv,
+                    stages=self.stages)
+
+
+def _inputs(rand, case: AttentionCase):
+    """q, k, v (standard normal) and a random block mask of `case`."""
+    return (*case.qkv(rand), case.mask(rand))
+
+
+def reference_attention(q, k, v, mask, case: AttentionCase):
+    """float64 out [B, Hq, Lq, D] and lse [B, Hq, Lq] of section 6 (dense, mask expanded)
+    with the block size, causal flag and keys in use (None: Lk) of `case`, scale
+    1/sqrt(D)."""
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     q_len, k_len = q.shape[2], k.shape[2]
-    n = k_len if keys_in_use is None else keys_in_use
+    n = k_len if case.keys_in_use is None else case.keys_in_use
     rows, keys = np.arange(q_len)[:, None], np.arange(k_len)[None, :]
-    allowed = np.asarray(mask)[:, :, rows // block_size, keys // block_size] & (keys < n)
-    if causal:
+    blocks = np.asarray(mask)[:, :, rows // case.block_size, keys // case.block_size]
+    allowed = blocks & (keys < n)
+    if case.causal:
         allowed = allowed & (keys <= rows + n - q_len)
-    return _masked_softmax_attention(np.einsum("bhid,bhjd->bhij", q, k) * scale, allowed, v)
+    scores = np.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+    return _masked_softmax_attention(scores, allowed, v)
 
 
 def _masked_softmax_attention(scores, allowed, v):
@@ -87,46 +115,33 @@ def walk_key_tiles(q, k, v, lists, *, plan: AttentionPlan, causal, scale):
     return out[:, :, :q_len], lse[:, :, :q_len]
 
 
-def _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size, density,
-            dtype=jnp.bfloat16):
-    q = rand.normal((batch, heads, q_len, dim), dtype)
-    k = rand.normal((batch, kv_heads, k_len, dim), dtype)
-    v = rand.normal((batch, kv_heads, k_len, dim), dtype)
-    blocks = (batch, heads, -(-q_len // block_size), -(-k_len // block_size))
-    mask = jnp.asarray(rand.rng.random(blocks) < density)
-    return q, k, v, mask
-
-
-# (batch, heads, kv_heads, Lq, Lk, block_size, density, keys in use): square, Lq < Lk,
-# Lq > Lk, odd lengths, 256-blocks (two key tiles each), a mask with whole empty rows,
-# fewer keys in use than Lk.
+# float32 inputs at D 64 (the tiles planned for bfloat16), each causal and not: square,
+# Lq < Lk, Lq > Lk, odd lengths, 256-blocks (two key tiles each), a mask with whole empty
+# rows, fewer keys in use than Lk.
 WALK_CASES = [
-    (1, 2, 1, 256, 256, 128, 1.0, None),
-    (1, 2, 2, 384, 640, 128, 0.5, None),
-    (2, 4, 2, 300, 200, 128, 0.6, None),
-    (1, 2, 1, 200, 461, 256, 0.5, None),
-    (1, 1, 1, 517, 517, 128, 0.2, None),
-    (1, 2, 1, 200, 700, 128, 0.7, 333),
-    (1, 2, 2, 128, 512, 256, 0.8, 400),
+    AttentionCase("square-dense", 1, 2, 1, 256, 256, 64, density=1.0),
+    AttentionCase("longer-keys", 1, 2, 2, 384, 640, 64, density=0.5),
+    AttentionCase("longer-queries", 2, 4, 2, 300, 200, 64, density=0.6),
+    AttentionCase("odd-256-blocks", 1, 2, 1, 200, 461, 64, block_size=256, density=0.5),
+    AttentionCase("empty-rows", 1, 1, 1, 517, 517, 64, density=0.2),
+    AttentionCase("keys-in-use", 1, 2, 1, 200, 700, 64, density=0.7, keys_in_use=333),
+    AttentionCase("keys-in-use-256", 1, 2, 2, 128, 512, 64, block_size=256, density=0.8,
+                  keys_in_use=400),
 ]
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", WALK_CASES)
 def test_key_tile_walk_equals_reference(rand, case, causal):
-    batch, heads, kv_heads, q_len, k_len, block_size, density, keys_in_use = case
-    dim = 64
-    q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
-                            density, dtype=jnp.float32)
-    plan = attention.attention_plan(dim, dim, jnp.bfloat16, block_size, with_lse=True)
-    lists = attention.key_tile_lists(mask, q_len=q_len, k_len=k_len,
-                                     block_size=block_size, causal=causal, plan=plan,
-                                     keys_in_use=keys_in_use)
-    scale = dim ** -0.5
-    want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
-                                             causal=causal, scale=scale,
-                                             keys_in_use=keys_in_use)
-    got_out, got_lse = walk_key_tiles(q, k, v, lists, plan=plan, causal=causal, scale=scale)
+    case = dataclasses.replace(case, causal=causal)
+    q, k, v, mask = _inputs(rand, case)
+    plan = attention.attention_plan(case.head_dim, case.head_dim, jnp.bfloat16,
+                                    case.block_size, with_lse=True)
+    lists = attention.key_tile_lists(mask, q_len=case.q_len, k_len=case.k_len, plan=plan,
+                                     keys_in_use=case.keys_in_use, **case.options)
+    want_out, want_lse = reference_attention(q, k, v, mask, case)
+    got_out, got_lse = walk_key_tiles(q, k, v, lists, plan=plan, causal=causal,
+                                      scale=case.head_dim ** -0.5)
     np.testing.assert_allclose(got_out, want_out, rtol=1e-9, atol=1e-9, err_msg=str(rand))
     np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse), str(rand))
     finite = np.isfinite(want_lse)
@@ -187,14 +202,17 @@ def test_available_names_the_missing_hopper_gpu():
 
 # --- the kernel (Hopper only) ----------------------------------------------------------
 
-# (batch, heads, kv_heads, Lq, Lk, dim, block_size, density, dtype)
+# each causal and not
 KERNEL_CASES = [
-    (1, 4, 2, 1024, 1024, 128, 128, 1.0, jnp.bfloat16),
-    (1, 4, 2, 1024, 1024, 128, 128, 0.3, jnp.bfloat16),
-    (2, 4, 1, 1000, 1000, 128, 128, 0.5, jnp.float16),
-    (1, 4, 4, 384, 1500, 64, 256, 0.5, jnp.bfloat16),
-    (1, 2, 1, 700, 300, 256, 128, 0.7, jnp.bfloat16),
-    (1, 4, 2, 512, 512, 128, 128, 0.05, jnp.bfloat16),  # many empty rows
+    AttentionCase("dense", 1, 4, 2, 1024, 1024, 128, dtype=jnp.bfloat16, density=1.0),
+    AttentionCase("sparse", 1, 4, 2, 1024, 1024, 128, dtype=jnp.bfloat16, density=0.3),
+    AttentionCase("float16-odd", 2, 4, 1, 1000, 1000, 128, dtype=jnp.float16, density=0.5),
+    AttentionCase("d64-256-blocks", 1, 4, 4, 384, 1500, 64, block_size=256,
+                  dtype=jnp.bfloat16, density=0.5),
+    AttentionCase("d256-short-keys", 1, 2, 1, 700, 300, 256, dtype=jnp.bfloat16,
+                  density=0.7),
+    AttentionCase("many-empty-rows", 1, 4, 2, 512, 512, 128, dtype=jnp.bfloat16,
+                  density=0.05),
 ]
 
 
@@ -203,14 +221,12 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_kernel_equals_reference(rand, case, causal):
-    batch, heads, kv_heads, q_len, k_len, dim, block_size, density, dtype = case
-    q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
-                            density, dtype)
-    out, lse = attention.block_sparse_attention(q, k, v, mask, block_size=block_size,
-                                                causal=causal, return_lse=True)
-    assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:3]
-    want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
-                                             causal=causal, scale=dim ** -0.5)
+    case = dataclasses.replace(case, causal=causal)
+    q, k, v, mask = _inputs(rand, case)
+    out, lse = attention.block_sparse_attention(q, k, v, mask, return_lse=True,
+                                                **case.options)
+    assert out.dtype == case.dtype and out.shape == q.shape and lse.shape == q.shape[:3]
+    want_out, want_lse = reference_attention(q, k, v, mask, case)
     _assert_close(out, lse, want_out, want_lse, str(rand))
 
 
@@ -229,18 +245,19 @@ def _assert_close(out, lse, want_out, want_lse, msg):
 def test_kernel_keys_in_use_traced(rand, causal):
     """k_len as a traced int32: one compilation serves several key counts n; keys from n
     on are hidden and row i sits at key i + n - Lq."""
-    q, k, v, mask = _inputs(rand, 1, 4, 2, 256, 1024, 128, 128, 0.7)
+    case = AttentionCase("traced-keys", 1, 4, 2, 256, 1024, 128, causal=causal,
+                         dtype=jnp.bfloat16, density=0.7)
+    q, k, v, mask = _inputs(rand, case)
 
     @jax.jit
     def attend(q, k, v, mask, keys_in_use):
-        return attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=causal,
-                                                return_lse=True, k_len=keys_in_use)
+        return attention.block_sparse_attention(q, k, v, mask, return_lse=True,
+                                                k_len=keys_in_use, **case.options)
 
     for keys_in_use in (300, 701, 1024):
         out, lse = attend(q, k, v, mask, jnp.int32(keys_in_use))
-        want_out, want_lse = reference_attention(q, k, v, mask, block_size=128,
-                                                 causal=causal, scale=128 ** -0.5,
-                                                 keys_in_use=keys_in_use)
+        want_out, want_lse = reference_attention(
+            q, k, v, mask, dataclasses.replace(case, keys_in_use=keys_in_use))
         _assert_close(out, lse, want_out, want_lse, f"n={keys_in_use} {rand}")
     assert attend._cache_size() == 1
 
@@ -252,20 +269,20 @@ def test_kernel_reads_paged_caches(rand, page_size):
     """Shuffled pages (NaN in the spare ones) through the block table, a chunk of 512
     queries at the end of n cached keys (n traced: one compilation), GQA 4:2: equal to
     the reference on the contiguous cache."""
-    q, k, v, mask = _inputs(rand, 2, 4, 2, 512, 8192, 128, 128, 0.5)
+    case = AttentionCase("paged-chunk", 2, 4, 2, 512, 8192, 128, dtype=jnp.bfloat16)
+    q, k, v, mask = _inputs(rand, case)
     k_pages, v_pages, table = rand.paged(page_size, k, v)
 
     @jax.jit
     def attend(q, k, v, mask, table, keys_in_use):
-        return attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=True,
-                                                return_lse=True, block_table=table,
-                                                k_len=keys_in_use)
+        return attention.block_sparse_attention(q, k, v, mask, return_lse=True,
+                                                block_table=table, k_len=keys_in_use,
+                                                **case.options)
 
     for keys_in_use in (8192, 5000):
         out, lse = attend(q, k_pages, v_pages, mask, table, jnp.int32(keys_in_use))
-        want_out, want_lse = reference_attention(q, k, v, mask, block_size=128,
-                                                 causal=True, scale=128 ** -0.5,
-                                                 keys_in_use=keys_in_use)
+        want_out, want_lse = reference_attention(
+            q, k, v, mask, dataclasses.replace(case, keys_in_use=keys_in_use))
         _assert_close(out, lse, want_out, want_lse, f"n={keys_in_use} {rand}")
     assert attend._cache_size() == 1
 
@@ -273,10 +290,11 @@ def test_kernel_reads_paged_caches(rand, page_size):
 @pytest.mark.gpu
 @needs_hopper
 def test_kernel_is_deterministic_and_lse_is_optional(rand):
-    q, k, v, mask = _inputs(rand, 1, 4, 2, 1024, 1024, 128, 128, 0.5)
-    first = attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=True)
-    again, _ = attention.block_sparse_attention(q, k, v, mask, block_size=128, causal=True,
-                                                return_lse=True)
+    case = AttentionCase("gqa-1k", 1, 4, 2, 1024, 1024, 128, dtype=jnp.bfloat16)
+    q, k, v, mask = _inputs(rand, case)
+    first = attention.block_sparse_attention(q, k, v, mask, **case.options)
+    again, _ = attention.block_sparse_attention(q, k, v, mask, return_lse=True,
+                                                **case.options)
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again), str(rand))
 
 
@@ -288,6 +306,13 @@ def _mosaic_gpu_import_error() -> str | None:
     return None
 
 
+def _abstract_inputs(case: AttentionCase) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """q, k, v and the mask of `case` as shapes and dtypes, to lower without data."""
+    return (*(jax.ShapeDtypeStruct(shape, case.dtype)
+              for shape in (case.q_shape, case.k_shape, case.v_shape)),
+            jax.ShapeDtypeStruct(case.mask_shape, jnp.bool_))
+
+
 @pytest.mark.skipif(_mosaic_gpu_import_error() is not None,
                     reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
 @pytest.mark.parametrize("q_len, k_len, dim, block_size, causal, return_lse, plan", [
@@ -296,22 +321,21 @@ def _mosaic_gpu_import_error() -> str | None:
     (700, 300, 64, 256, True, True, {}),
     (512, 512, 256, 128, True, False, {}),
     (1024, 1024, 128, 128, True, False, {"block_kv": 64, "stages": 3}),
-    (256, 1024, 128, 128, True, True, {"k_len": 700}),
-    (256, 1024, 128, 128, False, True, {"k_len": 517}),
+    (256, 1024, 128, 128, True, True, {"keys_in_use": 700}),
+    (256, 1024, 128, 128, False, True, {"keys_in_use": 517}),
 ])
 def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_lse, plan):
     """Without a GPU: Mosaic GPU's lowering (layout inference included, for sm_90) accepts
-    the kernel and the module holds its custom call."""
-    q = jax.ShapeDtypeStruct((1, 4, q_len, dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, 2, k_len, dim), jnp.bfloat16)
-    mask = jax.ShapeDtypeStruct((1, 4, -(-q_len // block_size), -(-k_len // block_size)),
-                                jnp.bool_)
+    the kernel and the module holds its custom call (GQA 4:2, bfloat16; `plan`: the
+    `KernelCase` fields it sets)."""
+    case = KernelCase("lowering", 1, 4, 2, q_len, k_len, dim, block_size=block_size,
+                      causal=causal, dtype=jnp.bfloat16, **plan)
 
     def call(q, k, v, mask):
-        return attention.block_sparse_attention(q, k, v, mask, block_size=block_size,
-                                                causal=causal, return_lse=return_lse, **plan)
+        return attention.block_sparse_attention(q, k, v, mask, return_lse=return_lse,
+                                                **case.kernel_options)
 
-    lowered = jax.jit(call).trace(q, k, k, mask).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(call).trace(*_abstract_inputs(case)).lower(lowering_platforms=("cuda",))
     assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
 
 
@@ -321,16 +345,15 @@ def test_kernel_lowers_for_cuda(q_len, k_len, dim, block_size, causal, return_ls
 def test_paged_kernel_lowers_for_cuda(page_size, causal):
     """The producer's copies out of pages (a [tile, D] box of one KV head of one page, a
     strided TMA source) pass Mosaic GPU's lowering."""
-    pages, per_seq = 40, 4096 // page_size
-    q = jax.ShapeDtypeStruct((2, 4, 512, 128), jnp.bfloat16)
-    pool = jax.ShapeDtypeStruct((pages, page_size, 2, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((2, per_seq), jnp.int32)
-    mask = jax.ShapeDtypeStruct((2, 4, 4, 32), jnp.bool_)
+    case = AttentionCase("paged-lowering", 2, 4, 2, 512, 4096, 128, causal=causal,
+                         dtype=jnp.bfloat16)
+    q, _, _, mask = _abstract_inputs(case)
+    pool = jax.ShapeDtypeStruct((40, page_size, case.kv_heads, case.head_dim), case.dtype)
+    table = jax.ShapeDtypeStruct((case.batch, case.k_len // page_size), jnp.int32)
 
     def call(q, k, v, mask, table):
-        return attention.block_sparse_attention(q, k, v, mask, block_size=128,
-                                                causal=causal, block_table=table,
-                                                k_len=jnp.int32(3000))
+        return attention.block_sparse_attention(q, k, v, mask, block_table=table,
+                                                k_len=jnp.int32(3000), **case.options)
 
     lowered = jax.jit(call).trace(q, pool, pool, mask, table).lower(
         lowering_platforms=("cuda",))
@@ -347,14 +370,17 @@ def test_plan_refuses_pages_that_are_not_whole_key_tiles():
                                      page_size=page_size)
 
 
-# (batch, heads, kv_heads, Lq, Lk, dim, block_size, density, causal, options): shapes seen
-# by no other test, so that no interpreted trace can be cached for them elsewhere.
+# shapes seen by no other test, so that no interpreted trace can be cached for them
+# elsewhere
 INTERPRET_CASES = [
-    (1, 2, 1, 256, 384, 64, 128, 0.7, True, {}),
-    (2, 2, 1, 300, 200, 64, 128, 0.6, True, {}),
-    (1, 2, 2, 200, 461, 64, 256, 0.5, False, {}),
-    (1, 2, 1, 448, 448, 64, 128, 0.6, True, {"block_kv": 64, "stages": 3}),
-    (2, 2, 1, 200, 512, 64, 128, 0.6, True, {"page_size": 256}),
+    KernelCase("longer-keys", 1, 2, 1, 256, 384, 64, dtype=jnp.bfloat16, density=0.7),
+    KernelCase("longer-queries", 2, 2, 1, 300, 200, 64, dtype=jnp.bfloat16, density=0.6),
+    KernelCase("noncausal-256-blocks", 1, 2, 2, 200, 461, 64, block_size=256, causal=False,
+               dtype=jnp.bfloat16, density=0.5),
+    KernelCase("three-stages", 1, 2, 1, 448, 448, 64, dtype=jnp.bfloat16, density=0.6,
+               block_kv=64, stages=3),
+    KernelCase("paged", 2, 2, 1, 200, 512, 64, dtype=jnp.bfloat16, density=0.6,
+               page_size=256),
 ]
 
 
@@ -365,22 +391,17 @@ INTERPRET_CASES = [
 def test_kernel_in_gpu_interpret_mode(rand, case):
     """The kernel's code (producer, consumers, barriers, lists, masks, empty rows) on CPU:
     equal to the reference up to bfloat16 rounding, no race, every barrier phase seen."""
-    batch, heads, kv_heads, q_len, k_len, dim, block_size, density, causal, options = case
-    q, k, v, mask = _inputs(rand, batch, heads, kv_heads, q_len, k_len, dim, block_size,
-                            density)
-    options = dict(options)
+    q, k, v, mask = _inputs(rand, case)
+    options = case.kernel_options
     cache = (k, v)
-    if "page_size" in options:  # the kernel reads shuffled pages with NaN spares
-        *cache, options["block_table"] = rand.paged(options.pop("page_size"), k, v)
+    if case.page_size is not None:  # the kernel reads shuffled pages with NaN spares
+        *cache, options["block_table"] = rand.paged(case.page_size, k, v)
     with mosaic_interpret.interpret_kernel() as races_found:
-        out, lse = attention.block_sparse_attention(
-            q, *cache, mask, block_size=block_size, causal=causal, return_lse=True,
-            **options)
+        out, lse = attention.block_sparse_attention(q, *cache, mask, return_lse=True,
+                                                    **options)
         out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse)
         assert not races_found(), str(rand)
-    want_out, want_lse = reference_attention(q, k, v, mask, block_size=block_size,
-                                             causal=causal, scale=dim ** -0.5,
-                                             keys_in_use=options.get("k_len"))
+    want_out, want_lse = reference_attention(q, k, v, mask, case)
     np.testing.assert_allclose(out, want_out, atol=2e-2, rtol=2e-2, err_msg=str(rand))
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse), str(rand))
     finite = np.isfinite(want_lse)
