@@ -37,11 +37,17 @@ def attention(q, k, v, mask, *, block_size: int, causal: bool, scale: float | No
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     ok = allowed_pairs(mask, q_len=q.shape[2], k_len=k.shape[2], block_size=block_size,
                        causal=causal, n_keys=n_keys)
-    scores = np.where(ok, np.einsum("bhqd,bhkd->bhqk", q, k) * scale, -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
+    return masked_softmax_attention(np.einsum("bhqd,bhkd->bhqk", q, k) * scale, ok, v)
+
+
+def masked_softmax_attention(scores, allowed, v) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) of the softmax over the allowed entries of float64 `scores` `[.., rows,
+    keys]` applied to v `[.., keys, Dv]`; rows with nothing allowed give zeros and -inf."""
+    scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
-    out = np.einsum("bhqk,bhkd->bhqd", weights / np.where(total > 0, total, 1.0), v)
+    out = (weights / np.where(total > 0, total, 1.0)) @ v
     with np.errstate(divide="ignore"):
         lse = (np.log(total) + top)[..., 0]
     return out, lse

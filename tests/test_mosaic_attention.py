@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import mosaic_interpret
+import np_attention as npa
 import numpy as np
 import pytest
 
@@ -54,35 +55,10 @@ def _inputs(rand, case: AttentionCase):
 
 
 def reference_attention(q, k, v, mask, case: AttentionCase):
-    """float64 out [B, Hq, Lq, D] and lse [B, Hq, Lq] of section 6 (dense, mask expanded)
-    with the block size, causal flag and keys in use (None: Lk) of `case`, scale
-    1/sqrt(D)."""
-    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    q_len, k_len = q.shape[2], k.shape[2]
-    n = k_len if case.keys_in_use is None else case.keys_in_use
-    rows, keys = np.arange(q_len)[:, None], np.arange(k_len)[None, :]
-    blocks = np.asarray(mask)[:, :, rows // case.block_size, keys // case.block_size]
-    allowed = blocks & (keys < n)
-    if case.causal:
-        allowed = allowed & (keys <= rows + n - q_len)
-    scores = np.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
-    return _masked_softmax_attention(scores, allowed, v)
-
-
-def _masked_softmax_attention(scores, allowed, v):
-    """softmax over the allowed entries of `scores` [.., rows, keys] applied to v
-    [.., keys, D]; rows with nothing allowed give zeros and lse -inf."""
-    scores = np.where(allowed, scores, -np.inf)
-    top = scores.max(-1, keepdims=True, initial=-np.inf)
-    top = np.where(np.isfinite(top), top, 0.0)
-    weights = np.exp(scores - top)
-    total = weights.sum(-1, keepdims=True)
-    out = (weights @ v) / np.where(total > 0, total, 1.0)
-    with np.errstate(divide="ignore"):
-        lse = np.log(total[..., 0]) + top[..., 0]
-    return out, lse
+    """float64 out [B, Hq, Lq, D] and lse [B, Hq, Lq] of section 6 (`np_attention`) with
+    the block size, causal flag and keys in use (None: Lk) of `case`, scale 1/sqrt(D)."""
+    return npa.attention(q, k, v, mask, block_size=case.block_size, causal=case.causal,
+                         n_keys=case.keys_in_use)
 
 
 def walk_key_tiles(q, k, v, lists, *, plan: AttentionPlan, causal, scale):
@@ -110,7 +86,7 @@ def walk_key_tiles(q, k, v, lists, *, plan: AttentionPlan, causal, scale):
         allowed = ~masked[None, :] | visible
         kv = h // group
         scores = q[b, h, row0:row0 + bq] @ k[b, kv, keys].T * scale
-        out[b, h, row0:row0 + bq], lse[b, h, row0:row0 + bq] = _masked_softmax_attention(
+        out[b, h, row0:row0 + bq], lse[b, h, row0:row0 + bq] = npa.masked_softmax_attention(
             scores, allowed, v[b, kv, keys])
     return out[:, :, :q_len], lse[:, :, :q_len]
 
