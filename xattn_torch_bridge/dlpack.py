@@ -191,11 +191,11 @@ def jax_waits_for_torch(place: Place) -> None:
         return
     event = _event(place.index)
     # torch.cuda.Event's C++ methods without their Python wrappers (1.5 us of a hand-off)
-    torch._C._CudaEventBase.record(event, _current_stream(place.index))
+    torch._C._CudaEventBase.record(event, current_stream(place.index))
     torch._C._CudaEventBase.wait(event, place.jax_stream_torch)
 
 
-def _current_stream(index: int) -> torch.cuda.Stream:
+def current_stream(index: int) -> torch.cuda.Stream:
     """torch's current stream on CUDA device `index`, its Python object cached by the raw
     stream pointer (building a new one per call is a measurable part of a hand-off)."""
     streams = _thread.__dict__.setdefault("streams", {})
