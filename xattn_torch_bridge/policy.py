@@ -57,7 +57,8 @@ from xattn_jax.checks import (check_choice, check_estimate_block_size, check_fla
 from xattn_jax.geometry import next_pow2
 from xattn_jax.kv_blocks import RULES
 
-from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
+from xattn_torch_bridge.dlpack import (place_of, read_to_host, to_torch,
+                                       views_for_one_computation)
 from xattn_torch_bridge.kv_cache import PagedKVCache
 
 
@@ -189,7 +190,7 @@ class XAttentionPolicy:
         units = _selection(*views_for_one_computation(place, q), cache.jax_keys(place),
                            buffer.jax_view(place), scoring=layout.scoring,
                            choice=layout.choice)
-        return _chosen(jax.device_get(units), layout.per_unit, block_ids)  # the one read
+        return _chosen(read_to_host(units), layout.per_unit, block_ids)  # the one read
 
     # --- the steps, for torch.compile -----------------------------------------------------
 
