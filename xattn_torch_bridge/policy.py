@@ -12,7 +12,9 @@ of 1024; pages of 4096: units of one page). The kernel reads the pages token by 
 through the block table, whatever their size.
 
 One call of `XAttentionPolicy.select_blocks`:
-1. host checks (q against the cache; the block ids, vectorized in the cache);
+1. host checks (q against the cache; the block ids, vectorized in the cache); what
+   depends only on the cache's layout (static settings, pages per unit) is derived once
+   per layout;
 2. `PagedKVCache.block_table`: the staging copies of offloaded keys are issued first, on
    the cache's side stream; the block table (pages, padding and the token count) is
    written into the cache's persistent pinned buffer and copied asynchronously into its
@@ -21,8 +23,11 @@ One call of `XAttentionPolicy.select_blocks`:
 3. one jitted JAX computation (`_selection`): `xattn_jax.kv_block_scores` on the pages
    through the table, `xattn_jax.select_kv_blocks`, and the union over heads to one bool
    per unit, compiled once per power of two of units (and per chunk shape): the token
-   count is data, read from the table on the device;
-4. exactly one device-to-host read: the units' bools, from which the ids are built.
+   count is data, read from the table on the device. Its inputs: q's view, ordered after
+   torch's current stream (`dlpack.views_for_one_computation`), and the unordered views
+   of the cache's pages and table buffer, made once (`PagedKVCache.jax_keys`);
+4. exactly one device-to-host read (`dlpack.read_to_host`): the units' bools, from which
+   the ids are built.
 Nothing else crosses between host and device, and nothing waits for the device but the
 read in step 4.
 
