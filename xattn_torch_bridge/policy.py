@@ -308,7 +308,8 @@ def policy_scores(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, uni
                   estimate_block_size: int, stride: int, norm: float, vote: bool,
                   impl: str) -> torch.Tensor:
     """`_unit_scores` on torch tensors: q `[Hq, Lq, D]` or `[1, Hq, Lq, D]`, pages the
-    cache's keys, table from `PagedKVCache.block_table`; all on one device."""
+    cache's keys, table from `PagedKVCache.block_table`; all on one device (the views of
+    pages and table are reused across calls: `dlpack.persistent_view`)."""
     q = q[None] if q.ndim == 3 else q
     q, place = place_of(q, "q", False)
     for name, x in (("pages", pages), ("table", table)):
@@ -316,7 +317,7 @@ def policy_scores(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, uni
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     scoring = Scoring(unit, estimate_block_size, stride, norm, vote,
                       impls.resolve(impl, device=place.jax_device))
-    return to_torch(_scores(*views_for_one_computation(place, q, pages, table),
+    return to_torch(_scores(*views_for_one_computation(place, q, persistent=(pages, table)),
                             scoring=scoring))
 
 
@@ -329,7 +330,8 @@ def policy_selection(scores: torch.Tensor, table: torch.Tensor, unit: int, thres
         raise ValueError(f"table must be on the scores' device {scores.device}, got "
                          f"{table.device}")
     choice = Choice(unit, threshold, keep_first, keep_last, kv_heads, rule)
-    return to_torch(_mask(*views_for_one_computation(place, scores, table), choice=choice))
+    return to_torch(_mask(*views_for_one_computation(place, scores, persistent=(table,)),
+                          choice=choice))
 
 
 policy_scores_op = torch.library.custom_op("xattn::policy_scores", policy_scores,
