@@ -64,14 +64,14 @@ class _TableBuffer:
         """Fills the table (pages, padded with the first page, then `tokens`), its copy
         queued on torch's current stream."""
         if self.copied is not None:  # the last call's copy has read the host twin
-            torch._C._CudaEventBase.synchronize(self.copied)
+            self.copied.synchronize()
         host, n = self.host_np, len(pages)
         host[:n] = pages
         host[n:-1] = pages[0]
         host[-1] = tokens
         if self.copied is not None:
             self.table.copy_(self.host, non_blocking=True)
-            torch._C._CudaEventBase.record(self.copied, current_stream(self.index))
+            self.copied.record(current_stream(self.index))
 
     def jax_view(self, place: Place) -> jax.Array:
         """The table's unordered JAX view (`place`: the cache's device), made once: the
