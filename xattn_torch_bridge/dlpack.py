@@ -58,7 +58,7 @@ jax 0.10.2 to 0.11; `torch._C._from_dlpack` is in torch 2.11 and 2.13, and the e
 C++ methods were run with torch 2.11 (the CUDA build on the H200). Devices are looked up
 once per torch device (to_jax) and once per JAX sharding (to_torch). `read_to_host` uses
 jax's private `config.explicit_device_get_scope` and the C++ method
-`Array._single_device_array_to_np_array_did_copy` (both in jax 0.10.2 and 0.11.2).
+`Array._single_device_array_to_np_array_did_copy` (both in jax 0.10.2, 0.11.2, 0.12.0).
 
 A CUDA array interface import was tried instead of DLPack (2026-11-30, H200, jax 0.11.2):
 `to_jax` took 25 us against 29 us, but jaxlib refused side streams; not kept.
