@@ -114,6 +114,11 @@ def _unit_mask(scores, table, choice: Choice):
     return mask.reshape(-1, mask.shape[-1]).any(axis=0)
 
 
+# pages per unit from which `_chosen` takes one slice of a list of ids per chosen unit
+# rather than a step per page (measured: 4096 pages, 8 per unit: 22 against 39 us)
+_SLICES_FROM = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """A policy's settings for one cache layout: the static settings, and the pages per
@@ -296,10 +301,14 @@ class XAttentionPolicy:
 def _chosen(units: np.ndarray, per_unit: int, block_ids):
     """The ids of `block_ids` in the chosen units (bool `[units]`, `per_unit` pages
     each): a list, or a numpy array for a numpy `block_ids`."""
-    chosen = (np.repeat(units, per_unit) if per_unit > 1 else units)[:len(block_ids)]
     if isinstance(block_ids, np.ndarray):
-        return block_ids[chosen]
-    return list(itertools.compress(block_ids, chosen.tolist()))
+        return block_ids[np.repeat(units, per_unit)[:len(block_ids)]]
+    if per_unit < _SLICES_FROM:
+        return list(itertools.compress(block_ids, np.repeat(units, per_unit).tolist()))
+    chosen = []
+    for start in (np.flatnonzero(units) * per_unit).tolist():
+        chosen += block_ids[start:start + per_unit]
+    return chosen
 
 
 # --- torch custom ops -------------------------------------------------------------------
