@@ -81,6 +81,18 @@ def test_bridge_estimate_refuses_bad_arguments(case):
     _assert_refused(_estimate_call(argument, value), argument)
 
 
+def test_a_repeated_call_does_not_serve_equal_values_of_other_types():
+    """After a valid call, the same arguments with a value equal to its own but of
+    another type (16.0 for 16, 1 for True) are still refused: the bridge remembers
+    prepared calls by value and type."""
+    q, k = _qk()
+    good = dict(block_size=16, stride=8, causal=True, impl="reference", threshold=0.9)
+    bridge.xattn_estimate(q, k, **good)
+    for argument, value in (("block_size", 16.0), ("causal", 1)):
+        _assert_refused(lambda: bridge.xattn_estimate(q, k, **{**good, argument: value}),
+                        argument)
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_integer_tensors_get_the_rule_of_the_estimate(dtype):
     """The message lists what the estimate accepts (not int32, which the hand-off takes)."""

@@ -140,6 +140,13 @@ def test_persistent_views_are_reused_while_the_tensor_is_the_same():
     assert len(dlpack._persistent) == count - 1
 
 
+def test_read_to_host_is_device_get():
+    a = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) * 2
+    got = dlpack.read_to_host(a)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    assert np.array_equal(got, jax.device_get(a))
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
         to_jax(np.zeros(4, np.float32))
@@ -250,6 +257,16 @@ class TestCuda:
             to_jax(t.reshape(-1)[1:])
         a = to_jax(t.reshape(-1)[1:], copy=True)
         assert same_values(t.reshape(-1)[1:], a)
+
+    def test_read_to_host_is_an_explicit_transfer(self):
+        """Transfer guards treat it as jax.device_get: allowed where only implicit
+        transfers are refused, refused where explicit ones are too."""
+        a = to_jax(sample(torch.float32, device="cuda")) + 1
+        with jax.transfer_guard_device_to_host("disallow"):
+            assert np.array_equal(dlpack.read_to_host(a), jax.device_get(a))
+        with jax.transfer_guard_device_to_host("disallow_explicit"):
+            with pytest.raises(Exception, match="Disallowed device-to-host transfer"):
+                dlpack.read_to_host(a + 1)
 
     def test_cpu_tensor_stays_on_jax_cpu_device(self):
         t = sample(torch.float32)

@@ -197,8 +197,9 @@ def test_one_computation_one_read_no_upload(rand, monkeypatch):
     policy.select_blocks(q, cache, ids[:5])  # compiles for 8 units (5 blocks)
     compiled = policy_module._selection._cache_size()
     reads = []
-    original = jax.device_get
-    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or original(x))
+    original = policy_module.read_to_host
+    monkeypatch.setattr(policy_module, "read_to_host",
+                        lambda x: reads.append(x) or original(x))
     with jax.transfer_guard("disallow"):
         for n in (5, 6):
             policy.select_blocks(q, cache, ids[:n])

@@ -56,7 +56,9 @@ with `torch._C._cuda_getCurrentRawStream` (the call Triton and inductor use). Th
 jaxlib and torch functions are private: the jaxlib ones have these signatures from
 jax 0.10.2 to 0.11; `torch._C._from_dlpack` is in torch 2.11 and 2.13, and the event's
 C++ methods were run with torch 2.11 (the CUDA build on the H200). Devices are looked up
-once per torch device (to_jax) and once per JAX sharding (to_torch).
+once per torch device (to_jax) and once per JAX sharding (to_torch). `read_to_host` uses
+jax's private `config.explicit_device_get_scope` and the C++ method
+`Array._single_device_array_to_np_array_did_copy` (both in jax 0.10.2, 0.11.2, 0.12.0).
 
 A CUDA array interface import was tried instead of DLPack (2026-11-30, H200, jax 0.11.2):
 `to_jax` took 25 us against 29 us, but jaxlib refused side streams; not kept.
@@ -68,9 +70,11 @@ import dataclasses
 import threading
 
 import jax
+import numpy as np
 import torch
 import torch.utils.dlpack
 import torch.utils.weak
+from jax._src import config as jax_config
 from jax._src.lib import _jax
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of q and k
@@ -191,11 +195,11 @@ def jax_waits_for_torch(place: Place) -> None:
         return
     event = _event(place.index)
     # torch.cuda.Event's C++ methods without their Python wrappers (1.5 us of a hand-off)
-    torch._C._CudaEventBase.record(event, _current_stream(place.index))
+    torch._C._CudaEventBase.record(event, current_stream(place.index))
     torch._C._CudaEventBase.wait(event, place.jax_stream_torch)
 
 
-def _current_stream(index: int) -> torch.cuda.Stream:
+def current_stream(index: int) -> torch.cuda.Stream:
     """torch's current stream on CUDA device `index`, its Python object cached by the raw
     stream pointer (building a new one per call is a measurable part of a hand-off)."""
     streams = _thread.__dict__.setdefault("streams", {})
@@ -283,6 +287,15 @@ def consumer_stream(index: int) -> int:
     """torch's current stream on CUDA device `index`, as a DLPack stream argument (the raw
     pointer; 1 for CUDA's legacy default stream, whose pointer is 0)."""
     return torch._C._cuda_getCurrentRawStream(index) or _LEGACY_DEFAULT_STREAM
+
+
+def read_to_host(array: jax.Array) -> np.ndarray:
+    """`jax.device_get(array)` for one single-device array: its values as a numpy array
+    (waiting for them; a copy from a GPU, possibly the buffer itself on the CPU: read it
+    only), an explicit transfer for JAX's transfer guards. The same scope and C++ copy as
+    `jax.device_get`, without its pytree and profiler wrappers (4 of its 6 us here)."""
+    with jax_config.explicit_device_get_scope():
+        return array._single_device_array_to_np_array_did_copy()[0]
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:

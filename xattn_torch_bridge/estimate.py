@@ -12,7 +12,9 @@ function: `xattn_jax.xattn_estimate` with them is jitted once per set of argumen
 none of xattn_jax's Python checks (they ran when it was traced, and depend on shapes and
 those arguments only) and reaches the compiled computation through jax.jit's C++ path.
 The threshold is checked on the host here (as xattn_jax does for floats) and its device
-array is reused across calls (`xattn_jax.checks.threshold_per_head`).
+array is reused across calls (`xattn_jax.checks.threshold_per_head`). A call repeating
+an earlier call's options and float threshold (values and types) reuses what that call
+prepared: the compiled function, the resolved implementation, the checked threshold.
 
 torch.compile: `xattn_estimate` inside a compiled region calls the custom op
 `torch.ops.xattn.estimate` (with a fake implementation giving the result shapes), so a
@@ -36,6 +38,8 @@ from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, persistent_view, place_of, 
                                        view_in_jax, views_for_one_computation)
 
 DEFAULT_THRESHOLD = 0.9  # xattn_jax.xattn_estimate's default
+_PREPARED_CALLS = 256  # `_prepared` remembers at most this many argument sets
+_prepared_calls: dict[tuple, tuple] = {}
 
 
 def _detached(x):
@@ -98,16 +102,38 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
     k, k_place = place_of(_detached(k), "k", copy, FLOAT_DTYPES)
     if k_place is not place:
         raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
-    threshold = kwargs.pop("threshold", DEFAULT_THRESHOLD)
+    estimate, threshold = _prepared(place, q, kwargs.pop("threshold", DEFAULT_THRESHOLD),
+                                    kwargs)
+    sums, mask = estimate(*views_for_one_computation(place, q), k_view(k, place, copy),
+                          threshold)
+    return to_torch(sums), to_torch(mask)
+
+
+def _prepared(place, q: torch.Tensor, threshold, options: dict):
+    """The compiled estimate for `options` on place's device, and the threshold checked
+    (float32 `[Hq]` on the device). Remembered for a float threshold, keyed by the
+    options' values and types as `compiled_estimate` is: a call repeating an earlier one's
+    arguments skips the option handling and the threshold's check (which passed)."""
+    key = None
+    if isinstance(threshold, float):
+        key = (place.jax_device, q.shape[1] if q.ndim == 4 else None, threshold,
+               *options.items(), *map(type, options.values()))
+        prepared = _prepared_calls.get(key)
+        if prepared is not None:
+            return prepared
     if isinstance(threshold, torch.Tensor):
         threshold = threshold.tolist()
-    if getattr(q, "ndim", 0) == 4:  # else the traced call below names the wrong rank
+    if q.ndim == 4:  # else the traced call names the wrong rank
         threshold = threshold_per_head(threshold, q.shape[1])
     # resolved here, for the device q lives on: inside the jitted call it has none yet
-    kwargs["impl"] = impls.resolve(kwargs.get("impl", "auto"), device=place.jax_device)
-    views = views_for_one_computation(place, q) + (k_view(k, place, copy),)
-    sums, mask = compiled_estimate(kwargs)(*views, threshold)
-    return to_torch(sums), to_torch(mask)
+    options = dict(options, impl=impls.resolve(options.get("impl", "auto"),
+                                               device=place.jax_device))
+    prepared = compiled_estimate(options), threshold
+    if key is not None:
+        if len(_prepared_calls) >= _PREPARED_CALLS:
+            _prepared_calls.clear()
+        _prepared_calls[key] = prepared
+    return prepared
 
 
 # --- torch.compile ----------------------------------------------------------------------

@@ -33,12 +33,16 @@ stages the same way and makes torch's current stream wait for it; see their docs
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import torch
 from xattn_jax.checks import check_int
 
+from xattn_torch_bridge.dlpack import Place, current_stream, view_in_jax
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_TYPES = frozenset({int, np.int32, np.int64})  # what a list of block ids may hold
+_NONE = np.zeros(0, np.int64)  # no positions
 
 
 class _TableBuffer:
@@ -48,26 +52,33 @@ class _TableBuffer:
 
     def __init__(self, width: int, device: torch.device):
         cuda = device.type == "cuda"
-        self.device = device
+        self.index = device.index
         self.host = torch.zeros(width + 1, dtype=torch.int32, pin_memory=cuda)
         self.host_np = self.host.numpy()
         self.table = torch.zeros(width + 1, dtype=torch.int32, device=device) if cuda \
             else self.host
         self.copied = torch.cuda.Event() if cuda else None
+        self._view = None
 
-    def write(self, pages: np.ndarray, tokens: int) -> torch.Tensor:
-        """Fills the table (pages, padded with the first page, then `tokens`) and returns
-        it, its copy queued on torch's current stream."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the last call's copy has read the host twin
-        n = len(pages)
-        self.host_np[:n] = pages
-        self.host_np[n:-1] = pages[0]
-        self.host_np[-1] = tokens
+    def write(self, pages: np.ndarray, tokens: int) -> None:
+        """Fills the table (pages, padded with the first page, then `tokens`), its copy
+        queued on torch's current stream."""
+        if self.copied is not None:  # the last call's copy has read the host twin
+            self.copied.synchronize()
+        host, n = self.host_np, len(pages)
+        host[:n] = pages
+        host[n:-1] = pages[0]
+        host[-1] = tokens
         if self.copied is not None:
             self.table.copy_(self.host, non_blocking=True)
-            self.copied.record(torch.cuda.current_stream(self.device))
-        return self.table
+            self.copied.record(current_stream(self.index))
+
+    def jax_view(self, place: Place) -> jax.Array:
+        """The table's unordered JAX view (`place`: the cache's device), made once: the
+        buffer's memory never changes."""
+        if self._view is None:
+            self._view = view_in_jax(self.table.detach(), place, ordered=False)
+        return self._view
 
 
 class PagedKVCache:
@@ -117,6 +128,7 @@ class PagedKVCache:
         self._tokens = np.zeros(0, np.int64)
         self._next_id = 0
         self._tables: dict[int, _TableBuffer] = {}
+        self._keys_view: jax.Array | None = None
 
     # --- queries ------------------------------------------------------------------------
 
@@ -153,6 +165,14 @@ class PagedKVCache:
         if self._resident[i]:
             return self.keys[slot, :n], self.values[slot, :n]
         return self.cpu_keys[slot, :n], self.cpu_values[slot, :n]
+
+    def jax_keys(self, place: Place) -> jax.Array:
+        """`keys` as an unordered JAX array (`dlpack.view_in_jax`; place: `keys`'s, from
+        `dlpack.place_of`), made once: the pages never move. For one computation that
+        also reads an ordered view (`dlpack.views_for_one_computation`)."""
+        if self._keys_view is None:
+            self._keys_view = view_in_jax(self.keys.detach(), place, ordered=False)
+        return self._keys_view
 
     # --- changes ------------------------------------------------------------------------
 
@@ -214,7 +234,7 @@ class PagedKVCache:
             raise ValueError(f"block_ids: out of CPU capacity: {len(ids)} blocks to "
                              f"offload, {len(self._free_cpu)} CPU blocks free")
         if self._stream is not None:  # a staging copy may still read a CPU slot
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            current_stream(self.device.index).wait_stream(self._stream)
         for i in ids.tolist():
             slot, cpu = int(self._slot[i]), self._free_cpu.pop()
             self.cpu_keys[cpu].copy_(self.keys[slot])
@@ -254,8 +274,7 @@ class PagedKVCache:
         and the event is None.
         """
         ids = self._check_ids(block_ids, "block_ids")
-        self._check_staging(ids)
-        pages, event = self._stage(ids)
+        pages, event = self._stage(ids, self._check_staging(ids))
         return pages.tolist(), event
 
     def block_table(self, block_ids, width: int) -> torch.Tensor:
@@ -281,19 +300,23 @@ class PagedKVCache:
         stream before that call's copy) by then, as for the staging pages. On the CPU the
         copies are done on return.
         """
+        return self._write_table(block_ids, width).table
+
+    def _write_table(self, block_ids, width: int) -> _TableBuffer:
+        """`block_table`'s work; returns the buffer written (its table and JAX view)."""
         ids = self._check_ids(block_ids, "block_ids")
         tokens = self._check_sequence(ids)
-        self._check_staging(ids)
+        offloaded = self._check_staging(ids)
         if isinstance(width, bool) or not isinstance(width, int) or width < len(ids):
             raise ValueError(f"width must be an int >= the {len(ids)} blocks, got {width!r}")
-        pages, event = self._stage(ids)
+        pages, event = self._stage(ids, offloaded)
         table = self._tables.get(width)
         if table is None:
             table = self._tables[width] = _TableBuffer(width, self.device)
-        written = table.write(pages, tokens)
+        table.write(pages, tokens)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        return written
+            current_stream(self.device.index).wait_event(event)
+        return table
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -323,6 +346,15 @@ class PagedKVCache:
             ids = np.fromiter(block_ids, np.int64, len(block_ids))
         else:
             raise ValueError(f"{name} must be a list of block ids, got {block_ids!r}")
+        # the usual sequence, increasing ids (distinct, and in range if its ends are), in
+        # four vectorized steps; anything else takes the general check
+        if len(ids) and not (0 <= ids[0] and ids[-1] < self._next_id
+                             and (ids[1:] > ids[:-1]).all() and self._alive[ids].all()):
+            self._check_any_ids(ids, name)
+        return ids
+
+    def _check_any_ids(self, ids: np.ndarray, name: str) -> None:
+        """The ValueError for ids (int64 `[n]`) that are unknown, freed or repeated."""
         known = (ids >= 0) & (ids < self._next_id)
         live = known.copy()
         live[known] = self._alive[ids[known]]
@@ -333,10 +365,10 @@ class PagedKVCache:
         ordered = np.sort(ids)
         if (ordered[1:] == ordered[:-1]).any():
             raise ValueError(f"{name}: repeated block ids in {ids.tolist()}")
-        return ids
 
-    def _check_full(self, ids: np.ndarray) -> None:
-        partial = self._tokens[ids[:-1]] != self.block_size
+    def _check_full(self, ids: np.ndarray, tokens: np.ndarray | None = None) -> None:
+        """ids (tokens: theirs, if read already) all full but the last."""
+        partial = (self._tokens[ids[:-1]] if tokens is None else tokens[:-1]) != self.block_size
         if partial.any():
             i = int(ids[:-1][np.argmax(partial)])
             raise ValueError(f"block_ids: block {i} holds {self._tokens[i]} of "
@@ -347,32 +379,38 @@ class PagedKVCache:
         which holds at least one)."""
         if not len(ids):
             raise ValueError("block_ids: a sequence holds at least one block")
-        self._check_full(ids)
-        last = int(self._tokens[ids[-1]])
+        tokens = self._tokens[ids]
+        self._check_full(ids, tokens)
+        last = int(tokens[-1])
         if not last:
             raise ValueError(f"block_ids: the last block {ids[-1]} is empty")
         return (len(ids) - 1) * self.block_size + last
 
-    def _check_staging(self, ids: np.ndarray) -> None:
-        offloaded = int(len(ids) - self._resident[ids].sum())
-        if offloaded > self.staging_slots:
-            raise ValueError(f"block_ids: {offloaded} offloaded blocks but only "
+    def _check_staging(self, ids: np.ndarray) -> np.ndarray:
+        """The positions in ids of offloaded blocks (int64), at most staging_slots."""
+        resident = self._resident[ids]
+        if resident.all():
+            return _NONE
+        offloaded = np.flatnonzero(~resident)
+        if len(offloaded) > self.staging_slots:
+            raise ValueError(f"block_ids: {len(offloaded)} offloaded blocks but only "
                              f"{self.staging_slots} staging slots: load some blocks first, "
-                             f"or build the cache with staging_slots >= {offloaded}")
+                             f"or build the cache with staging_slots >= {len(offloaded)}")
+        return offloaded
 
-    def _stage(self, ids: np.ndarray) -> tuple[np.ndarray, torch.cuda.Event | None]:
-        """The pages of `ids` (checked by `_check_staging`) with offloaded blocks copied
-        into the staging pages: on the side stream and an event after the copies on CUDA,
-        done on return and None on the CPU."""
-        pages = self._slot[ids].copy()
-        offloaded = np.flatnonzero(~self._resident[ids])
+    def _stage(self, ids: np.ndarray, offloaded: np.ndarray
+               ) -> tuple[np.ndarray, torch.cuda.Event | None]:
+        """The pages of `ids` with the offloaded blocks (positions `offloaded`, from
+        `_check_staging`) copied into the staging pages: on the side stream and an event
+        after the copies on CUDA, done on return and None on the CPU."""
+        pages = self._slot[ids]  # a new array (fancy indexing)
+        if not len(offloaded):
+            return pages, None
         staging = range(self.num_blocks, self.num_blocks + len(offloaded))
         if self._stream is None:
             for j, page in zip(offloaded.tolist(), staging):
                 self.keys[page].copy_(self.cpu_keys[pages[j]])
                 pages[j] = page
-            return pages, None
-        if not len(offloaded):
             return pages, None
         with torch.cuda.stream(self._stream):
             for j, page in zip(offloaded.tolist(), staging):
