@@ -140,9 +140,9 @@ def test_persistent_views_are_reused_while_the_tensor_is_the_same():
     assert len(dlpack._persistent) == count - 1
 
 
-def test_read_to_host_is_device_get():
+def test_read_through_torch_is_device_get():
     a = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) * 2
-    got = dlpack.read_to_host(a)
+    got = dlpack.read_through_torch(a)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
     assert np.array_equal(got, jax.device_get(a))
 
@@ -258,15 +258,15 @@ class TestCuda:
         a = to_jax(t.reshape(-1)[1:], copy=True)
         assert same_values(t.reshape(-1)[1:], a)
 
-    def test_read_to_host_is_an_explicit_transfer(self):
-        """Transfer guards treat it as jax.device_get: allowed where only implicit
-        transfers are refused, refused where explicit ones are too."""
-        a = to_jax(sample(torch.float32, device="cuda")) + 1
-        with jax.transfer_guard_device_to_host("disallow"):
-            assert np.array_equal(dlpack.read_to_host(a), jax.device_get(a))
+    def test_read_through_torch_waits_for_jax(self):
+        """The read is ordered after the JAX computation that makes the array (a long
+        one, still running when the read is issued), and JAX's transfer guards do not
+        see it: torch makes the copy."""
+        x = to_jax(sample(torch.float32, device="cuda"))
+        slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda i, y: jnp.sin(y) + 1, x))
+        want = np.asarray(jax.device_get(slow(x)))
         with jax.transfer_guard_device_to_host("disallow_explicit"):
-            with pytest.raises(Exception, match="Disallowed device-to-host transfer"):
-                dlpack.read_to_host(a + 1)
+            assert np.array_equal(dlpack.read_through_torch(slow(x)), want)
 
     def test_cpu_tensor_stays_on_jax_cpu_device(self):
         t = sample(torch.float32)

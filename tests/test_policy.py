@@ -189,7 +189,7 @@ def test_zero_copy(rand, monkeypatch):
 
 
 def test_one_computation_one_read_no_upload(rand, monkeypatch):
-    """After the first call: one jitted computation, one explicit device-to-host read,
+    """After the first call: one jitted computation, one device-to-host read (torch's),
     no host-to-device transfer (the table travels through the cache's buffer, the token
     count inside it), and no recompilation as the context grows within a power of two."""
     cache, ids, q = make_cache(rand, PAGED.k_len)
@@ -197,8 +197,8 @@ def test_one_computation_one_read_no_upload(rand, monkeypatch):
     policy.select_blocks(q, cache, ids[:5])  # compiles for 8 units (5 blocks)
     compiled = policy_module._selection._cache_size()
     reads = []
-    original = policy_module.read_to_host
-    monkeypatch.setattr(policy_module, "read_to_host",
+    original = policy_module.read_through_torch
+    monkeypatch.setattr(policy_module, "read_through_torch",
                         lambda x: reads.append(x) or original(x))
     with jax.transfer_guard("disallow"):
         for n in (5, 6):

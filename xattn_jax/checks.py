@@ -62,12 +62,13 @@ def checked(fn: Callable) -> Callable:
     return checkify.checkify(in_checked_mode, errors=checkify.user_checks)
 
 
-def check_traced(ok, message: str, *values) -> None:
-    """In checked mode, a check that `ok` (a boolean array, maybe traced) holds everywhere;
-    `message` formats `values` with `{}`. Nothing outside checked mode."""
+def check_traced(holds, message: str, *values) -> None:
+    """In checked mode, a check that `holds(*values)` (a boolean array; the values may be
+    traced) is true everywhere; `message` formats `values` with `{}`. Outside checked mode
+    nothing, not even `holds` (an eager call would pay its operations)."""
     if _checked.get():
         # a debug check: a trace made here and reused outside checkify is a no-op there
-        checkify.debug_check(jnp.all(ok), message, *values)
+        checkify.debug_check(jnp.all(holds(*values)), message, *values)
 
 
 # --- calls checked before ------------------------------------------------------------------
@@ -231,7 +232,7 @@ def _check_jax_share(name: str, value: jax.Array) -> jax.Array:
     if not any(jnp.issubdtype(value.dtype, kind) for kind in (jnp.floating, jnp.integer)):
         raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
     t = value.astype(jnp.float32)
-    check_traced((t > 0) & (t <= 1), f"{name} {_SHARE_RULE}, got {{}}", t)
+    check_traced(lambda t: (t > 0) & (t <= 1), f"{name} {_SHARE_RULE}, got {{}}", t)
     return t
 
 
@@ -423,7 +424,7 @@ def _check_block_table(block_table, batch: int, num_pages: int) -> jax.Array:
     # a jax.Array goes as it is (the jitted callee casts it): no host work per call
     table = block_table if isinstance(block_table, jax.Array) \
         else np.asarray(block_table, np.int32)
-    check_traced((table >= 0) & (table < num_pages), rule + ", got {}", table)
+    check_traced(lambda table: (table >= 0) & (table < num_pages), rule + ", got {}", table)
     return table
 
 
@@ -455,7 +456,7 @@ def key_len(k_len, capacity: int):
         raise ValueError(f"k_len must be a scalar integer jax.Array, got {k_len.dtype} "
                          f"{k_len.shape}")
     n = k_len.astype(jnp.int32)
-    check_traced((n >= 1) & (n <= capacity), rule + ", got {}", n)
+    check_traced(lambda n: (n >= 1) & (n <= capacity), rule + ", got {}", n)
     return n
 
 
@@ -488,7 +489,8 @@ def valid_counts(num_valid, batch: int, blocks: int):
             raise ValueError(f"{rule}, got {num_valid}")
         return np.broadcast_to(counts.astype(np.int32), (batch,))
     counts = jnp.broadcast_to(counts.astype(jnp.int32), (batch,))
-    check_traced((counts >= 1) & (counts <= blocks), rule + ", got {}", counts)
+    check_traced(lambda counts: (counts >= 1) & (counts <= blocks), rule + ", got {}",
+                 counts)
     return counts
 
 

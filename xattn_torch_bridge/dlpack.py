@@ -56,9 +56,7 @@ with `torch._C._cuda_getCurrentRawStream` (the call Triton and inductor use). Th
 jaxlib and torch functions are private: the jaxlib ones have these signatures from
 jax 0.10.2 to 0.11; `torch._C._from_dlpack` is in torch 2.11 and 2.13, and the event's
 C++ methods were run with torch 2.11 (the CUDA build on the H200). Devices are looked up
-once per torch device (to_jax) and once per JAX sharding (to_torch). `read_to_host` uses
-jax's private `config.explicit_device_get_scope` and the C++ method
-`Array._single_device_array_to_np_array_did_copy` (both in jax 0.10.2, 0.11.2, 0.12.0).
+once per torch device (to_jax) and once per JAX sharding (to_torch).
 
 A CUDA array interface import was tried instead of DLPack (2026-11-30, H200, jax 0.11.2):
 `to_jax` took 25 us against 29 us, but jaxlib refused side streams; not kept.
@@ -74,7 +72,6 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 import torch.utils.weak
-from jax._src import config as jax_config
 from jax._src.lib import _jax
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of q and k
@@ -289,15 +286,6 @@ def consumer_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index) or _LEGACY_DEFAULT_STREAM
 
 
-def read_to_host(array: jax.Array) -> np.ndarray:
-    """`jax.device_get(array)` for one single-device array: its values as a numpy array
-    (waiting for them; a copy from a GPU, possibly the buffer itself on the CPU: read it
-    only), an explicit transfer for JAX's transfer guards. The same scope and C++ copy as
-    `jax.device_get`, without its pytree and profiler wrappers (4 of its 6 us here)."""
-    with jax_config.explicit_device_get_scope():
-        return array._single_device_array_to_np_array_did_copy()[0]
-
-
 def to_torch(array: jax.Array) -> torch.Tensor:
     """The torch tensor over `array`'s memory: same shape and dtype, on the same device.
 
@@ -309,3 +297,14 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     stream = None if index is None else consumer_stream(index)
     # what torch.utils.dlpack.from_dlpack calls for a capsule, without its checks (1 us)
     return torch._C._from_dlpack(_jax.buffer_to_dlpack_managed_tensor(array, stream))
+
+
+
+def read_through_torch(array: jax.Array) -> np.ndarray:
+    """The values of a single-device `array` on the host, as numpy (waiting for them):
+    `to_torch` (ordered after JAX's work on torch's current stream), then torch's copy
+    to the host. Measured on the H200 (2026-11-30, jax 0.11.2, torch 2.11): a jitted
+    call plus this read returned 0.36 ms sooner than with `jax.device_get` (0.29 against
+    0.65 ms). No JAX transfer happens, so JAX's transfer guards do not see it. On the
+    CPU the array may be viewed in place: read it only."""
+    return to_torch(array).cpu().numpy()

@@ -26,7 +26,7 @@ One call of `XAttentionPolicy.select_blocks`:
    count is data, read from the table on the device. Its inputs: q's view, ordered after
    torch's current stream (`dlpack.views_for_one_computation`), and the unordered views
    of the cache's pages and table buffer, made once (`PagedKVCache.jax_keys`);
-4. exactly one device-to-host read (`dlpack.read_to_host`): the units' bools, from which
+4. exactly one device-to-host read (`dlpack.read_through_torch`): the units' bools, from which
    the ids are built.
 Nothing else crosses between host and device, and nothing waits for the device but the
 read in step 4.
@@ -62,7 +62,7 @@ from xattn_jax.checks import (check_choice, check_estimate_block_size, check_fla
 from xattn_jax.geometry import next_pow2
 from xattn_jax.kv_blocks import RULES
 
-from xattn_torch_bridge.dlpack import (place_of, read_to_host, to_torch,
+from xattn_torch_bridge.dlpack import (place_of, read_through_torch, to_torch,
                                        views_for_one_computation)
 from xattn_torch_bridge.kv_cache import PagedKVCache
 
@@ -200,7 +200,7 @@ class XAttentionPolicy:
         units = _selection(*views_for_one_computation(place, q), cache.jax_keys(place),
                            buffer.jax_view(place), scoring=layout.scoring,
                            choice=layout.choice)
-        return _chosen(read_to_host(units), layout.per_unit, block_ids)  # the one read
+        return _chosen(read_through_torch(units), layout.per_unit, block_ids)  # the one read
 
     # --- the steps, for torch.compile -----------------------------------------------------
 
