@@ -184,25 +184,31 @@ def test_paged_errors(pages, table, match, seed):
 
 
 @pytest.mark.parametrize("kernel", BLOCK_SUM_KERNELS)
-@pytest.mark.parametrize("paged", [False, True], ids=["buffer", "paged"])
-def test_both_kernels_read_key_len_and_pages(kernel, paged, seed):
+@pytest.mark.parametrize("page_size", [None, 16, 256], ids=["buffer", "paged16", "paged256"])
+def test_both_kernels_read_key_len_and_pages(kernel, page_size, seed):
     """Each block-sum kernel, on a buffer padded past k_len (NaN there) or on a shuffled
     page pool read through a block table (whose entries past k_len's pages lie outside
-    the pool), equals the reference on the k_len real keys."""
+    the pool), equals the reference on the k_len real keys. Key tiles of 16 columns (128
+    tokens): pages of 16 tokens are read a table entry per token, pages of 256 one entry
+    per tile (`load_paged_tokens(one_page=True)`)."""
     rng, q, k = _chunk(seed, q_len=96, capacity=512)
     k_len = 333
     k = k.at[:, :, k_len:].set(jnp.nan)
     geom = check_qk(q, k, stride=8, block_size=64, causal=False)
     want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
-    plan = plan_block_sums(geom, q.dtype, False, interpret=not ON_GPU, kernel=kernel)
+    plan = plan_block_sums(geom, q.dtype, False, interpret=not ON_GPU, kernel=kernel,
+                           tiles=Tiles(16, 16))
     args = dict(plan=plan, causal=False, norm=1.0, key_len=jnp.full((1,), k_len, jnp.int32))
-    if paged:
-        page_size = 64
-        table = rng.permutation(12)[:512 // page_size]
-        pool = np.full((12, page_size, 2, 16), np.nan, np.float32)
+    if page_size is not None:
+        assert (page_size % (plan.block_k * geom.stride) == 0) == (page_size == 256)
+        pool_size = 512 // page_size + 4
+        table = rng.permutation(pool_size)[:512 // page_size]
+        pool = np.full((pool_size, page_size, 2, 16), np.nan, np.float32)
         for i, page in enumerate(table):
             pool[page] = np.asarray(k[0, :, i * page_size:(i + 1) * page_size]).swapaxes(0, 1)
-        table[-(-k_len // page_size):] = [-7, 10**6]
+        used = -(-k_len // page_size)
+        table[used:] = -7  # entries past k_len's pages (with 16-token pages) hold anything
+        table[used + 1:] = 10**6
         got = block_sums(q, jnp.asarray(pool), block_table=jnp.asarray(table[None], jnp.int32),
                          **args)
     else:

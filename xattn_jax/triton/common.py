@@ -105,18 +105,25 @@ def load_tokens(ref, tokens: jax.Array, length, head_dim: int, part=0,
 
 
 def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
-                      head_dim: int, part=0, depth: int | None = None) -> jax.Array:
+                      head_dim: int, part=0, depth: int | None = None,
+                      one_page: bool = False) -> jax.Array:
     """Token rows of one sequence in a paged cache, as `[n, depth]`, like `load_tokens`.
 
     pages_ref: `[num_pages, page_size, Hkv, D]`; table_ref: int32 `[pages_per_seq]`, the
     sequence's pages in order (token t lives in page table[t // page_size] at row
     t % page_size); kv_head: the key head to read. Page numbers are clamped into the
     cache: an id outside [0, num_pages) reads page 0 or the last page (with length None,
-    table entries past the sequence's pages may hold anything).
+    table entries past the sequence's pages may hold anything). one_page: the caller
+    knows that every token lies in the page of the first (pages of whole key tiles):
+    one table entry is read instead of one per token.
     """
     num_pages, page_size = pages_ref.shape[:2]
     cols, col_mask = _head_columns(head_dim, part, depth)
     mask, slots = _row_mask(tokens, length, col_mask)
+    if one_page:
+        page = jnp.clip(plgpu.load(table_ref.at[jnp.min(slots) // page_size]), 0,
+                        num_pages - 1)
+        return _load(pages_ref.at[page, (slots % page_size)[:, None], kv_head, cols], mask)
     pages = jnp.clip(plgpu.load(table_ref.at[slots // page_size]), 0, num_pages - 1)
     return _load(pages_ref.at[pages[:, None], (slots % page_size)[:, None], kv_head, cols],
                  mask)

@@ -61,8 +61,10 @@ class RowTile:
             key_loader = functools.partial(load_tokens, k_ref, head_dim=geom.head_dim,
                                            lead=(batch, kv_head))
         else:
+            # a step's keys span block_k * S tokens from a multiple of that
+            one_page = k_ref.shape[1] % (cols * s) == 0
             key_loader = functools.partial(load_paged_tokens, k_ref, table_ref, kv_head,
-                                           head_dim=geom.head_dim)
+                                           head_dim=geom.head_dim, one_page=one_page)
         unmasked = whole_groups and plan.keys_fit
         self.load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
         if causal:
