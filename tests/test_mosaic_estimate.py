@@ -69,6 +69,8 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stages=8)
     with pytest.raises(ValueError, match="stages"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stages=1)
+    with pytest.raises(ValueError, match="cluster"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=4)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -107,6 +109,8 @@ def _mosaic_gpu_import_error() -> str | None:
     ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {}),
     ((2, 4, 2, 1000, 1512, 64, 8, 64), False, {"block_k": 64}),
     ((1, 4, 1, 512, 2560, 128, 8, 1024), True, {"block_k": 256, "stages": 2}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"cluster": 2}),
+    ((1, 4, 2, 1000, 1512, 128, 8, 256), False, {"cluster": 2, "block_k": 64}),
 ])
 def test_kernel_lowers_for_cuda(shape, causal, options):
     """Without a GPU: Mosaic GPU's lowering (layout inference included, for sm_90) accepts
@@ -127,12 +131,16 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, norm, plan options):
 # several units per tile and both consumers, odd lengths with partly filled stride groups
 # and tiles, causal Lq < Lk, D 128 (two head-dim parts per step), a ring of 2 slots,
-# blocks of several units and of one.
+# blocks of several units and of one, clusters of two CTAs sharing the key chunks (an
+# odd number of real row tiles; causal: the cluster's first CTA walks a tile it does not
+# see).
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
     (1, 4, 2, 128, 384, 128, 2, 128, True, 1.0, {"block_k": 64, "stages": 2}),
     (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128}),
+    (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0, {"block_k": 64, "stages": 2, "cluster": 2}),
+    (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0, {"block_k": 64, "cluster": 2}),
 ]
 
 
@@ -156,13 +164,15 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
     assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
 
 
-# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal)
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options)
 GPU_CASES = [
-    (1, 32, 8, 4096, 4096, 128, 8, 128, True),
-    (1, 32, 8, 4096, 4096, 128, 8, 64, False),
-    (2, 8, 2, 2000, 3024, 128, 8, 256, False),
-    (1, 8, 8, 1024, 3072, 64, 8, 1024, True),
-    (1, 4, 1, 777, 777, 128, 8, 128, True),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {}),
+    (1, 32, 8, 4096, 4096, 128, 8, 64, False, {}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {}),
+    (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {}),
+    (1, 4, 1, 777, 777, 128, 8, 128, True, {}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 2, "block_k": 256}),
 ]
 
 
@@ -170,10 +180,10 @@ GPU_CASES = [
 @needs_hopper
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_kernel_equals_reference(rand, case):
-    *shape, causal = case
+    *shape, causal, options = case
     geom = _geom(*shape, causal)
     q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
     got = block_sums.block_sums(q, k, plan=plan, causal=causal, norm=1.0)
     want = reference.block_sums(q, k, geom, causal=causal, norm=1.0)
     err = npr.rel_err(got, want)

@@ -9,7 +9,10 @@ resident in shared memory (all S stride members, `S * D / block_d` chunks of
 head-dim columns (one stride member each) through a ring of `stages` slots. Its two
 consumer warpgroups take the CTA's key tiles in turns (warpgroup w the tiles t = w mod 2),
 so that one's row statistics (`one_pass` of the Triton backend: max, per-unit exp2 sums
-and totals per key tile) overlap the other's matrix products.
+and totals per key tile) overlap the other's matrix products. With `cluster` = 2, two
+CTAs of consecutive row tiles form a cluster and share each key chunk (TMA multicast:
+each loads half), halving the key traffic from L2, which otherwise bounds the kernel at
+ROWS x 2 / itemsize = 64 flops per byte.
 
 Tuned values are first guesses, to be measured on the H200 with
 `python -m bench.mosaic_estimate_check`.
@@ -33,6 +36,8 @@ BLOCK_K = 128  # reshaped key columns per key tile (wgmma N); to be measured
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 6  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
+CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 to be measured
+CLUSTERS = (1, 2)
 HEAD_DIMS = (64, 128)
 MAX_BLOCK_K = 256  # a consumer's float32 accumulator: block_k / 2 registers per thread
 COLUMN_TILE = 8  # the wgmma register layout's column tile: unit sums slice at this grain
@@ -51,13 +56,15 @@ class EstimatePlan:
     """Tiles of one call. Hashable: a static jit argument.
 
     block_k: reshaped key columns per key tile; block_d: head-dim columns per pipeline
-    step; stages: key chunks of `block_k x block_d` in flight (the ring's slots).
+    step; stages: key chunks of `block_k x block_d` in flight (the ring's slots);
+    cluster: CTAs of consecutive row tiles sharing the key chunks.
     """
 
     geom: Geometry
     block_k: int
     block_d: int
     stages: int
+    cluster: int = CLUSTER
 
     @property
     def unit(self) -> int:
@@ -78,8 +85,8 @@ class EstimatePlan:
 
     @property
     def row_tiles(self) -> int:
-        """CTAs per (batch, query head)."""
-        return _cdiv(self.geom.q_rows, ROWS)
+        """CTAs per (batch, query head): whole clusters."""
+        return _cdiv(self.geom.q_rows, ROWS * self.cluster) * self.cluster
 
     @property
     def padded_rows(self) -> int:
@@ -154,14 +161,17 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
 
 
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
-                  stages: int | None = None) -> EstimatePlan:
-    """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K) and stages
-    override the defaults (tuning runs); the default stages are the most that fit in
-    shared memory, at most MAX_STAGES. Raises ValueError for arguments the kernel does not
-    take (`unsupported_reason`) and overrides that do not fit."""
+                  stages: int | None = None, cluster: int | None = None) -> EstimatePlan:
+    """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages and
+    cluster (in CLUSTERS) override the defaults (tuning runs); the default stages are the
+    most that fit in shared memory, at most MAX_STAGES. Raises ValueError for arguments
+    the kernel does not take (`unsupported_reason`) and overrides that do not fit."""
     reason = unsupported_reason(geom, dtype)
     if reason is not None:
         raise ValueError(reason)
+    cluster = CLUSTER if cluster is None else cluster
+    if cluster not in CLUSTERS:
+        raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
     block_k = BLOCK_K if block_k is None else block_k
     if block_k % 64 or not 64 <= block_k <= MAX_BLOCK_K:
         raise ValueError(f"block_k must be a multiple of 64 in [64, {MAX_BLOCK_K}]; got "
@@ -169,12 +179,12 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     itemsize = jnp.dtype(dtype).itemsize
     if stages is None:
         fits = [n for n in range(MIN_STAGES, MAX_STAGES + 1)
-                if EstimatePlan(geom, block_k, BLOCK_D, n).smem_bytes(itemsize)
+                if EstimatePlan(geom, block_k, BLOCK_D, n, cluster).smem_bytes(itemsize)
                 <= SMEM_BYTES]
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
-    plan = EstimatePlan(geom, block_k, BLOCK_D, stages)
+    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster)
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
@@ -188,8 +198,9 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
 def visible_tiles(plan: EstimatePlan, causal: bool, row0):
     """Key tiles 0 .. n - 1 hold a column some row of the row tile starting at `row0`
     (a Python int, a traced int32 scalar or an int32 array) may see (section 2: column
-    j <= row + (Lk - Lq) / S with causal, j < k_cols always). Shared by the kernel (which
-    tiles it computes) and the epilogue (which statistics are real)."""
+    j <= row + (Lk - Lq) / S with causal, j < k_cols always). Shared by the kernel (the
+    tiles a cluster computes: those of its last row tile) and the epilogue (which
+    statistics are real)."""
     geom = plan.geom
     row0 = jnp.asarray(row0, jnp.int32)
     if not causal:

@@ -27,7 +27,12 @@ one wgmma is in flight), then the statistics of the tile, in log2 units:
 - with several units, their total,
 
 stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]) through a shared
-memory buffer and TMA. Because the ring hands the tiles out in order, consumer 0's
+memory buffer and TMA.
+
+Clusters (`plan.cluster` = 2): the CTAs of two consecutive row tiles walk the same key
+tiles (those the later one sees; the earlier one's extra tile is masked whole) and each
+key chunk is multicast to both, each CTA's producer loading half; the ring's release
+barrier then counts the owning consumer of every CTA in the cluster. Because the ring hands the tiles out in order, consumer 0's
 statistics run while consumer 1 multiplies the next tile, and the other way round.
 Only tiles holding a column some row does not see (past the keys, or after the first
 row's causal diagonal) come last and are masked per element. Tiles no row sees are
@@ -49,6 +54,8 @@ from xattn_jax.mosaic.estimate_plan import (CONSUMERS, ROWS, EstimatePlan, unmas
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
+CLUSTER_AXIS = "cluster"
+
 
 def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k_ready,
                  k_free, *, plan: EstimatePlan, causal: bool, scale: float):
@@ -59,10 +66,13 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
-    row_tile = plan.row_tiles - 1 - lax.axis_index("row_tiles")  # long causal rows first
+    groups = plan.row_tiles // plan.cluster
+    first_tile = (groups - 1 - lax.axis_index("row_groups")) * plan.cluster  # long first
+    row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * ROWS
     wg = lax.axis_index(WG_AXIS)
-    row0 = row_tile * ROWS
-    num_tiles = visible_tiles(plan, causal, row0)
+    # The cluster's CTAs share the key chunks: all walk the tiles its last row tile sees.
+    num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * ROWS)
+    multicast = CLUSTER_AXIS if plan.cluster > 1 else None
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -150,7 +160,8 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
 
             plgpu.copy_gmem_to_smem(
                 k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, pl.ds(part * bd, bd)],
-                k_smem.at[slot], k_ready.at[owner * stages + slot])
+                k_smem.at[slot], k_ready.at[owner * stages + slot],
+                collective_axes=multicast)
 
         # Observe the last releases too: every completed phase of k_free is waited for.
         @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -177,15 +188,19 @@ def tile_stats(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         plgpu.SMEM((CONSUMERS, plan.stat_planes, ROWS), jnp.float32),
         plgpu.Barrier(num_arrivals=chunks),  # q_ready: every query chunk landed
         plgpu.Barrier(num_barriers=CONSUMERS * plan.stages),  # k_ready, per consumer
-        plgpu.Barrier(num_barriers=plan.stages),  # k_free
+        # k_free: a slot is refilled once its consumer in every CTA of the cluster is done
+        plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_barriers=plan.stages)
+        if plan.cluster > 1 else plgpu.Barrier(num_barriers=plan.stages),
     )
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale)
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch_types,
-        grid=(geom.q_heads, plan.row_tiles, geom.batch),
-        grid_names=("heads", "row_tiles", "batch"),
+        grid=(geom.q_heads, geom.batch, plan.row_tiles // plan.cluster),
+        grid_names=("heads", "batch", "row_groups"),
+        cluster=(plan.cluster,),  # the last grid axis: consecutive row tiles
+        cluster_names=(CLUSTER_AXIS,),
         num_threads=CONSUMERS + 1,
         thread_name=WG_AXIS,
         compiler_params=plgpu.CompilerParams(approx_math=True),
