@@ -1,14 +1,17 @@
 """GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums), one run.
 
     python -m bench.mosaic_estimate_check [--block-k 128,64] [--stages 5,3]
-        [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
+        [--cluster 1,2] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
-(--block-k / --stages: plan variants, each a comma-separated list, timed in every
-combination that fits (`estimate_plan.estimate_plan`); the default plan always runs
-first. --ptxas: Mosaic GPU prints ptxas' report of each kernel: registers, spills.)
+(--block-k / --stages / --cluster: plan variants, each a comma-separated list, checked
+and timed in every combination (`estimate_plan.estimate_plan`; one that does not fit
+prints its error); the default plan always runs first. Default: --cluster 2, the
+multicast variant. --ptxas: Mosaic GPU prints ptxas' report of each kernel: registers,
+spills.)
 
-1. Smoke: the first check case in a subprocess with a time limit, so that a kernel that
-   hangs (a barrier protocol error) is reported as such instead of stalling the run.
+1. Smoke: the first check case, with the default plan and with each variant, each in a
+   subprocess with a time limit, so that a kernel that hangs (a barrier protocol error)
+   is reported as such instead of stalling the run; variants that hang are dropped.
 2. Correctness, bf16, D 128, stride 8, GQA 32:8, fresh random inputs per case: against
    the plain-JAX reference (run one KV group of heads at a time, so that 64K fits) and
    the Triton kernel: relative error (max |diff| / max |reference|, bound 5e-5 as the GPU
@@ -198,17 +201,19 @@ def run_timing(variants) -> None:
                 print(f"ERROR timing {case} {impl}:", flush=True)
                 traceback.print_exc()
                 sys.stdout.flush()
-        try:
-            plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
-            run, strided = _kernel_only(geom, causal, plan)
-            q5 = strided(q, plan.padded_rows * STRIDE)
-            k5 = strided(k, plan.padded_cols * STRIDE)
-            ms = time_ms(run, [(q5, k5)], warmup=3, reps=10)
-            rows.append((case, "  mosaic kernel alone", ms, flops / ms / 1e9, ms / floor))
-            del q5, k5
-        except Exception:
-            print(f"ERROR timing {case} kernel alone:", flush=True)
-            traceback.print_exc()
+        for options in [{}] + variants:
+            try:
+                plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+                run, strided = _kernel_only(geom, causal, plan)
+                q5 = strided(q, plan.padded_rows * STRIDE)
+                k5 = strided(k, plan.padded_cols * STRIDE)
+                ms = time_ms(run, [(q5, k5)], warmup=3, reps=10)
+                rows.append((case, f"  kernel alone {options or 'default'}", ms,
+                             flops / ms / 1e9, ms / floor))
+                del q5, k5
+            except Exception:
+                print(f"ERROR timing {case} kernel alone {options}:", flush=True)
+                traceback.print_exc()
         del q, k
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}; block sums "
           "(sections 1-3), bf16, D 128, stride 8, Hq 32")
@@ -219,17 +224,18 @@ def run_timing(variants) -> None:
           flush=True)
 
 
-def smoke() -> str:
-    """The first check case in a subprocess with a time limit: "pass", "fail" or "hang"."""
+def smoke(options: dict) -> str:
+    """The first check case with plan `options` in a subprocess with a time limit:
+    "pass", "fail" or "hang"."""
     code = ("from bench.mosaic_estimate_check import *; import sys; "
-            "sys.exit(0 if check_case(*CHECK_CASES[0]) else 1)")
+            f"sys.exit(0 if check_case(*CHECK_CASES[0], **{options!r}) else 1)")
     try:
         done = subprocess.run([sys.executable, "-c", code], timeout=SMOKE_LIMIT_S)
     except subprocess.TimeoutExpired:
-        print(f"SMOKE HANG: the first case did not finish in {SMOKE_LIMIT_S}s (barrier "
-              "protocol deadlock?)", flush=True)
+        print(f"SMOKE HANG {options or 'default'}: the first case did not finish in "
+              f"{SMOKE_LIMIT_S}s (barrier protocol deadlock?)", flush=True)
         return "hang"
-    print(f"smoke: exit code {done.returncode}", flush=True)
+    print(f"smoke {options or 'default'}: exit code {done.returncode}", flush=True)
     return "pass" if done.returncode == 0 else "fail"
 
 
@@ -241,6 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-k", help="comma-separated block_k values to try")
     parser.add_argument("--stages", help="comma-separated stages values to try")
+    parser.add_argument("--cluster", default="2",
+                        help="comma-separated cluster sizes to try (default 2)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--no-smoke", action="store_true")
@@ -248,9 +256,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.ptxas:  # read by Mosaic GPU when it compiles, inherited by the smoke process
         os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-    variants = [{key: value for key, value in (("block_k", b), ("stages", s))
+    variants = [{key: value for key, value in zip(("block_k", "stages", "cluster"), values)
                  if value is not None}
-                for b, s in itertools.product(_ints(args.block_k), _ints(args.stages))]
+                for values in itertools.product(_ints(args.block_k), _ints(args.stages),
+                                                _ints(args.cluster))]
     variants = [v for v in variants if v]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "
@@ -260,12 +269,14 @@ def main() -> None:
     default = estimate_plan.estimate_plan(ESTIMATE["causal-64k"].geom(), jnp.bfloat16)
     print(f"default plan at causal-64k: {default}, smem {default.smem_bytes(2)} B, scratch "
           f"{default.scratch_bytes / 2**20:.0f} MiB; variants {variants}", flush=True)
-    outcome = "skipped" if args.no_smoke else smoke()
+    outcome = "skipped" if args.no_smoke else smoke({})
     if outcome == "hang":
         return
+    if not args.no_smoke:
+        variants = [v for v in variants if smoke(v) != "hang"]
     if not args.skip_check:
         run_checks(variants)
-    if not args.skip_time and outcome != "fail":
+    if not args.skip_time:
         run_timing(variants)
     print(f"total {time.perf_counter() - started:.0f}s", flush=True)
 
