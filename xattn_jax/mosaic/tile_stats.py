@@ -27,16 +27,18 @@ one wgmma is in flight), then the statistics of the tile, in log2 units:
 - with several units, their total,
 
 stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]) through a shared
-memory buffer and TMA.
-
-Clusters (`plan.cluster` = 2): the CTAs of two consecutive row tiles walk the same key
-tiles (those the later one sees; the earlier one's extra tile is masked whole) and each
-key chunk is multicast to both, each CTA's producer loading half; the ring's release
-barrier then counts the owning consumer of every CTA in the cluster. Because the ring hands the tiles out in order, consumer 0's
+memory buffer and TMA. Because the ring hands the tiles out in order, consumer 0's
 statistics run while consumer 1 multiplies the next tile, and the other way round.
 Only tiles holding a column some row does not see (past the keys, or after the first
 row's causal diagonal) come last and are masked per element. Tiles no row sees are
 neither computed nor stored (`estimate_plan.visible_tiles`: the caller fills them).
+
+Clusters (`plan.cluster` = 2): the CTAs of two consecutive row tiles walk the same key
+tiles (those the later one sees; the earlier one's extra tile is masked whole) and each
+key chunk is multicast to both, each CTA's producer loading half; the ring's release
+barrier then counts the owning consumer of every CTA in the cluster. A CTA's producer
+waits for the last releases of both, so no CTA exits while the other may still write to
+its shared memory or arrive on its barriers.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
         out = stats_smem.at[wg]
         plgpu.barrier_wait(q_ready)
 
-        def tile_stats(n, carry, *, masked: bool):
+        def one_tile(n, carry, *, masked: bool):
             tile = wg + n * CONSUMERS
             first_step = tile * steps
 
@@ -130,8 +132,8 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
                                                       pl.ds(row0, ROWS)])
             return carry
 
-        lax.fori_loop(0, plain, functools.partial(tile_stats, masked=False), None)
-        lax.fori_loop(plain, own_tiles, functools.partial(tile_stats, masked=True), None)
+        lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
+        lax.fori_loop(plain, own_tiles, functools.partial(one_tile, masked=True), None)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
