@@ -133,7 +133,7 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 # and tiles, causal Lq < Lk, D 128 (two head-dim parts per step), a ring of 2 slots,
 # blocks of several units and of one, clusters of two CTAs sharing the key chunks (an
 # odd number of real row tiles; causal: the cluster's first CTA walks a tile it does not
-# see).
+# see), float16.
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
@@ -141,6 +141,7 @@ INTERPRET_CASES = [
     (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128}),
     (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0, {"block_k": 64, "stages": 2, "cluster": 2}),
     (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0, {"block_k": 64, "cluster": 2}),
+    (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0, {"block_k": 64, "dtype": jnp.float16}),
 ]
 
 
@@ -154,9 +155,11 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
     fills the kernel's output with NaN first, so statistics the kernel leaves unwritten
     (tiles no row sees) must be replaced by the wrapper."""
     *shape, causal, norm, options = case
+    options = dict(options)
+    dtype = options.pop("dtype", jnp.bfloat16)
     geom = _geom(*shape, causal)
-    q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+    q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=dtype)
+    plan = estimate_plan.estimate_plan(geom, dtype, **options)
     with mosaic_interpret.interpret_kernel() as races_found:
         got = np.asarray(block_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm))
         assert not races_found(), str(rand)
