@@ -1,13 +1,13 @@
 """GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums), one run.
 
     python -m bench.mosaic_estimate_check [--block-k 128,64] [--stages 5,3]
-        [--cluster 1,2] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
+        [--cluster 1,2,4] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
 (--block-k / --stages / --cluster: plan variants, each a comma-separated list, checked
 and timed in every combination (`estimate_plan.estimate_plan`; one that does not fit
-prints its error); the default plan always runs first. Default: --cluster 2, the
-multicast variant. --ptxas: Mosaic GPU prints ptxas' report of each kernel: registers,
-spills.)
+prints its error); the default plan always runs first, and is not repeated as a
+variant. Default --cluster 1,2,4: the multicast variants run. --ptxas: Mosaic GPU
+prints ptxas' report of each kernel: registers, spills.)
 
 1. Smoke: the first check case, with the default plan and with each variant, each in a
    subprocess with a time limit, so that a kernel that hangs (a barrier protocol error)
@@ -247,8 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-k", help="comma-separated block_k values to try")
     parser.add_argument("--stages", help="comma-separated stages values to try")
-    parser.add_argument("--cluster", default="2",
-                        help="comma-separated cluster sizes to try (default 2)")
+    parser.add_argument("--cluster", default="1,2,4",
+                        help="comma-separated cluster sizes to try (default 1,2,4)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--no-smoke", action="store_true")
@@ -260,7 +260,8 @@ def main() -> None:
                  if value is not None}
                 for values in itertools.product(_ints(args.block_k), _ints(args.stages),
                                                 _ints(args.cluster))]
-    variants = [v for v in variants if v]
+    default_options = ({}, {"cluster": estimate_plan.CLUSTER})
+    variants = [v for v in variants if v not in default_options]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "
           f"mosaic.available() = {mosaic.available()!r}", flush=True)

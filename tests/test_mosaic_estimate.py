@@ -70,7 +70,7 @@ def test_plan_defaults_fit_and_overrides_are_checked():
     with pytest.raises(ValueError, match="stages"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stages=1)
     with pytest.raises(ValueError, match="cluster"):
-        estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=4)
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=3)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -111,6 +111,7 @@ def _mosaic_gpu_import_error() -> str | None:
     ((1, 4, 1, 512, 2560, 128, 8, 1024), True, {"block_k": 256, "stages": 2}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"cluster": 2}),
     ((1, 4, 2, 1000, 1512, 128, 8, 256), False, {"cluster": 2, "block_k": 64}),
+    ((1, 32, 8, 8192, 8192, 128, 8, 128), True, {"cluster": 4}),
 ])
 def test_kernel_lowers_for_cuda(shape, causal, options):
     """Without a GPU: Mosaic GPU's lowering (layout inference included, for sm_90) accepts
@@ -133,7 +134,7 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 # and tiles, causal Lq < Lk, D 128 (two head-dim parts per step), a ring of 2 slots,
 # blocks of several units and of one, clusters of two CTAs sharing the key chunks (an
 # odd number of real row tiles; causal: the cluster's first CTA walks a tile it does not
-# see), float16.
+# see; a cluster of four), float16.
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
@@ -142,6 +143,7 @@ INTERPRET_CASES = [
     (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0, {"block_k": 64, "stages": 2, "cluster": 2}),
     (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0, {"block_k": 64, "cluster": 2}),
     (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0, {"block_k": 64, "dtype": jnp.float16}),
+    (1, 2, 1, 300, 556, 64, 2, 64, True, 1.0, {"block_k": 64, "stages": 3, "cluster": 4}),
 ]
 
 
@@ -178,6 +180,7 @@ GPU_CASES = [
     (1, 4, 1, 777, 777, 128, 8, 128, True, {}),
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 2, "block_k": 256}),
+    (1, 32, 8, 4096, 8192, 128, 8, 512, True, {"cluster": 4}),
 ]
 
 

@@ -9,10 +9,11 @@ resident in shared memory (all S stride members, `S * D / block_d` chunks of
 head-dim columns (one stride member each) through a ring of `stages` slots. Its two
 consumer warpgroups take the CTA's key tiles in turns (warpgroup w the tiles t = w mod 2),
 so that one's row statistics (`one_pass` of the Triton backend: max, per-unit exp2 sums
-and totals per key tile) overlap the other's matrix products. With `cluster` = 2, two
-CTAs of consecutive row tiles form a cluster and share each key chunk (TMA multicast:
-each loads half), halving the key traffic from L2, which otherwise bounds the kernel at
-ROWS x 2 / itemsize = 64 flops per byte.
+and totals per key tile) overlap the other's matrix products. With `cluster` = c > 1, the
+CTAs of c consecutive row tiles form a cluster and share each key chunk (TMA multicast:
+each loads 1/c of it), dividing the key traffic from L2 by c: alone, a CTA reads 2 bytes
+of keys per ROWS x 2 = 128 flops, 64 flops per byte, which may bound it below the tensor
+cores (to be measured).
 
 Tuned values are first guesses, to be measured on the H200 with
 `python -m bench.mosaic_estimate_check`.
@@ -36,8 +37,8 @@ BLOCK_K = 128  # reshaped key columns per key tile (wgmma N); to be measured
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
-CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 to be measured
-CLUSTERS = (1, 2)
+CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 and 4 to be measured
+CLUSTERS = (1, 2, 4)
 HEAD_DIMS = (64, 128)
 MAX_BLOCK_K = 256  # a consumer's float32 accumulator: block_k / 2 registers per thread
 COLUMN_TILE = 8  # the wgmma register layout's column tile: unit sums slice at this grain

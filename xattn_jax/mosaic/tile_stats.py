@@ -33,11 +33,11 @@ Only tiles holding a column some row does not see (past the keys, or after the f
 row's causal diagonal) come last and are masked per element. Tiles no row sees are
 neither computed nor stored (`estimate_plan.visible_tiles`: the caller fills them).
 
-Clusters (`plan.cluster` = 2): the CTAs of two consecutive row tiles walk the same key
-tiles (those the later one sees; the earlier one's extra tile is masked whole) and each
-key chunk is multicast to both, each CTA's producer loading half; the ring's release
+Clusters (`plan.cluster` = c > 1): the CTAs of c consecutive row tiles walk the same key
+tiles (those the last one sees; earlier ones mask their extra tiles whole) and each key
+chunk is multicast to all, each CTA's producer loading 1/c of it; the ring's release
 barrier then counts the owning consumer of every CTA in the cluster. A CTA's producer
-waits for the last releases of both, so no CTA exits while the other may still write to
+waits for the last releases of all, so no CTA exits while another may still write to
 its shared memory or arrive on its barriers.
 """
 
