@@ -52,7 +52,7 @@ from xattn_jax.geometry import Geometry  # noqa: E402
 from xattn_jax.mosaic import block_sums as mosaic_block_sums  # noqa: E402
 from xattn_jax.mosaic import estimate_plan  # noqa: E402
 
-SMOKE_LIMIT_S = 300
+SMOKE_LIMIT_S = 180
 RTOL = 5e-5  # the GPU tests' float32 bound (tests/cases.py: 1e-5 x GPU_SLACK)
 STRIDE, HEAD_DIM = 8, 128
 TIMED = ("causal-32k", "causal-64k", "noncausal-64k-b128", GQA_CASE)
