@@ -112,10 +112,12 @@ def _mosaic_gpu_import_error() -> str | None:
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"cluster": 2}),
     ((1, 4, 2, 1000, 1512, 128, 8, 256), False, {"cluster": 2, "block_k": 64}),
     ((1, 32, 8, 8192, 8192, 128, 8, 128), True, {"cluster": 4}),
+    ((1, 4, 2, 1024, 2048, 64, 8, 64), True, {"block_k": 256}),
 ])
 def test_kernel_lowers_for_cuda(shape, causal, options):
-    """Without a GPU: Mosaic GPU's lowering (layout inference included, for sm_90) accepts
-    the kernel and the module holds its custom call."""
+    """Without a GPU: Mosaic GPU's lowering (layout inference and the shared memory
+    budget included, for sm_90) accepts the kernel and the module holds its custom
+    call."""
     batch, q_heads, kv_heads, q_len, k_len, dim, stride, block_size = shape
     geom = _geom(*shape, causal)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
