@@ -217,11 +217,14 @@ def run_timing(variants) -> None:
         del q, k
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}; block sums "
           "(sections 1-3), bf16, D 128, stride 8, Hq 32")
-    print(f"{'case':20s} {'impl':44s} {'ms':>8s} {'TFLOP/s':>8s} {'/floor':>7s}")
+    print(f"{'case':20s} {'impl':44s} {'ms':>8s} {'TFLOP/s':>8s} {'/floor':>7s} "
+          f"{'vs triton':>9s}")
+    triton_ms = {case: ms for case, impl, ms, _, _ in rows if impl == "triton"}
     for case, impl, ms, tflops, ratio in rows:
-        print(f"{case:20s} {impl:44s} {ms:8.3f} {tflops:8.1f} {ratio:7.2f}")
-    print("(TFLOP/s on the visible strided product; floor: bench.common.floor_ms)",
-          flush=True)
+        speedup = f"{triton_ms[case] / ms:8.2f}x" if case in triton_ms else "      n/a"
+        print(f"{case:20s} {impl:44s} {ms:8.3f} {tflops:8.1f} {ratio:7.2f} {speedup}")
+    print("(TFLOP/s on the visible strided product; floor: bench.common.floor_ms; vs "
+          "triton = triton ms / ms, > 1 is faster than Triton)", flush=True)
 
 
 def smoke(options: dict) -> str:
