@@ -23,8 +23,10 @@ prints ptxas' report of each kernel: registers, spills.)
 3. Timing (bench.common.time_ms: back-to-back calls after warm-up, median): the block
    sums (sections 1-3) of Mosaic and of Triton (`impl="triton"`'s plan) at the
    `bench.cases.ESTIMATE` shapes causal-32k, causal-64k, noncausal-64k-b128 (MHA 32:32)
-   and gqa-64k-causal, plus the Mosaic kernel alone (statistics, no epilogue), and the
-   plan variants. TFLOP/s on the visible strided product; a table last.
+   and gqa-64k-causal, plus the Mosaic kernel alone (statistics, no XLA epilogue) for
+   the default plan, each variant, and the default plan leaving one stage out
+   (`estimate_plan.LEAVE_OUT`: the products, or the statistics past the row maxima).
+   TFLOP/s on the visible strided product; a table last.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def run_timing(variants) -> None:
                 print(f"ERROR timing {case} {impl}:", flush=True)
                 traceback.print_exc()
                 sys.stdout.flush()
-        for options in [{}] + variants:
+        leave_out = [{"leave_out": stage} for stage in estimate_plan.LEAVE_OUT]
+        for options in [{}] + variants + leave_out:
             try:
                 plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
                 run, strided = _kernel_only(geom, causal, plan)

@@ -71,6 +71,8 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stages=1)
     with pytest.raises(ValueError, match="cluster"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=3)
+    with pytest.raises(ValueError, match="leave_out"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, leave_out="epilogue")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -113,6 +115,8 @@ def _mosaic_gpu_import_error() -> str | None:
     ((1, 4, 2, 1000, 1512, 128, 8, 256), False, {"cluster": 2, "block_k": 64}),
     ((1, 32, 8, 8192, 8192, 128, 8, 128), True, {"cluster": 4}),
     ((1, 4, 2, 1024, 2048, 64, 8, 64), True, {"block_k": 256}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "product"}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "statistics"}),
 ])
 def test_kernel_lowers_for_cuda(shape, causal, options):
     """Without a GPU: Mosaic GPU's lowering (layout inference and the shared memory
@@ -171,6 +175,22 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
     assert got.shape == (geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks)
     err = npr.rel_err(got, want)
     assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
+
+
+@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
+def test_timing_variant_without_products_reads_zero_scores(rand):
+    """leave_out="product" keeps the pipeline and the statistics and reads every score as
+    0: the block sums of q = 0 (each row spread evenly over the columns it sees)."""
+    geom = _geom(1, 2, 1, 256, 384, 64, 2, 32, True)
+    q, k = rand.qk(1, 2, 1, 256, 384, 64, stride=2, dtype=jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=64, leave_out="product")
+    with mosaic_interpret.interpret_kernel() as races_found:
+        got = np.asarray(block_sums.block_sums(q, k, plan=plan, causal=True, norm=1.0))
+        assert not races_found(), str(rand)
+    want = reference.block_sums(jnp.zeros_like(q), k, geom, causal=True, norm=1.0)
+    assert npr.rel_err(got, want) <= F32_RTOL, str(rand)
 
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options)

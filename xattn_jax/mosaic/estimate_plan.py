@@ -39,6 +39,10 @@ MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
 CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 and 4 to be measured
 CLUSTERS = (1, 2, 4)
+# Timing variants that leave one stage of the kernel out (`bench.mosaic_estimate_check`;
+# their results are not block sums): the consumers' matrix products (scores read as 0),
+# or the statistics past the row maxima.
+LEAVE_OUT = ("product", "statistics")
 HEAD_DIMS = (64, 128)
 MAX_BLOCK_K = 256  # a consumer's float32 accumulator: block_k / 2 registers per thread
 COLUMN_TILE = 8  # the wgmma register layout's column tile: unit sums slice at this grain
@@ -61,7 +65,8 @@ class EstimatePlan:
 
     block_k: reshaped key columns per key tile; block_d: head-dim columns per pipeline
     step; stages: key chunks of `block_k x block_d` in flight (the ring's slots);
-    cluster: CTAs of consecutive row tiles sharing the key chunks.
+    cluster: CTAs of consecutive row tiles sharing the key chunks; leave_out: None, or
+    a stage of LEAVE_OUT that the kernel skips (timing only).
     """
 
     geom: Geometry
@@ -69,6 +74,7 @@ class EstimatePlan:
     block_d: int
     stages: int
     cluster: int = CLUSTER
+    leave_out: str | None = None
 
     @property
     def unit(self) -> int:
@@ -165,14 +171,18 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
 
 
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
-                  stages: int | None = None, cluster: int | None = None) -> EstimatePlan:
+                  stages: int | None = None, cluster: int | None = None,
+                  leave_out: str | None = None) -> EstimatePlan:
     """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages and
     cluster (in CLUSTERS) override the defaults (tuning runs); the default stages are the
-    most that fit in shared memory, at most MAX_STAGES. Raises ValueError for arguments
-    the kernel does not take (`unsupported_reason`) and overrides that do not fit."""
+    most that fit in shared memory, at most MAX_STAGES. leave_out: a timing variant
+    (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
+    (`unsupported_reason`) and overrides that do not fit."""
     reason = unsupported_reason(geom, dtype)
     if reason is not None:
         raise ValueError(reason)
+    if leave_out not in (None, *LEAVE_OUT):
+        raise ValueError(f"leave_out must be None or one of {LEAVE_OUT}; got {leave_out!r}")
     cluster = CLUSTER if cluster is None else cluster
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
@@ -188,7 +198,7 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
-    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster)
+    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out)
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "

@@ -33,6 +33,9 @@ Only tiles holding a column some row does not see (past the keys, or after the f
 row's causal diagonal) come last and are masked per element. Tiles no row sees are
 neither computed nor stored (`estimate_plan.visible_tiles`: the caller fills them).
 
+`plan.leave_out` (timing only) skips the consumers' products or their statistics past
+the maxima; the pipeline and the stores stay.
+
 Clusters (`plan.cluster` = c > 1): the CTAs of c consecutive row tiles walk the same key
 tiles (those the last one sees; earlier ones mask their extra tiles whole) and each key
 chunk is multicast to all, each CTA's producer loading 1/c of it; the ring's release
@@ -75,6 +78,7 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
     # The cluster's CTAs share the key chunks: all walk the tiles its last row tile sees.
     num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * ROWS)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
+    multiply = plan.leave_out != "product"
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -94,18 +98,27 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
                     member, part = divmod(step, parts)
                     slot = lax.rem(first_step + step, jnp.int32(stages))
                     plgpu.barrier_wait(k_ready.at[wg * stages + slot])
-                    plgpu.wgmma(acc_ref, q_smem.at[(geom.stride - 1 - member) * parts + part],
-                                k_smem.at[slot].transpose((1, 0)))
+                    if multiply:
+                        plgpu.wgmma(acc_ref,
+                                    q_smem.at[(geom.stride - 1 - member) * parts + part],
+                                    k_smem.at[slot].transpose((1, 0)))
                     if step:  # the step before has finished reading its slot
-                        plgpu.wgmma_wait(1)
+                        if multiply:
+                            plgpu.wgmma_wait(1)
                         plgpu.barrier_arrive(
                             k_free.at[lax.rem(first_step + step - 1, jnp.int32(stages))])
-                plgpu.wgmma_wait(0)
+                if multiply:
+                    plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(
                     k_free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
-                return acc_ref[...]
+                return acc_ref[...] if multiply else None
 
-            a = pl.run_scoped(product, plgpu.ACC((ROWS, bk), jnp.float32))
+            if multiply:
+                a = pl.run_scoped(product, plgpu.ACC((ROWS, bk), jnp.float32))
+            else:  # the chunks are waited for and released all the same
+                product(None)
+                a = plgpu.layout_cast(jnp.zeros((ROWS, bk), jnp.float32),
+                                      plgpu.Layout.WGMMA)
             a = a * jnp.float32(scale)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0,
@@ -118,14 +131,16 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
                     seen = seen & (cols <= rows + (row0 + geom.row_offset))
                 a = jnp.where(seen, a, -jnp.inf)
             m = a.max(axis=1)
-            shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row seeing nothing here: x = 0
-            p = jnp.exp2(a - lax.broadcast_in_dim(shift, a.shape, [0]))
-            sums = [p[:, u * unit:(u + 1) * unit].sum(axis=1) for u in range(units)]
+            sums = []
+            if plan.leave_out != "statistics":
+                shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row seeing nothing here: x = 0
+                p = jnp.exp2(a - lax.broadcast_in_dim(shift, a.shape, [0]))
+                sums = [p[:, u * unit:(u + 1) * unit].sum(axis=1) for u in range(units)]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy read it
             out.at[0][...] = m
             for u, x in enumerate(sums):
                 out.at[1 + u][...] = x
-            if units > 1:
+            if len(sums) > 1:
                 out.at[1 + units][...] = functools.reduce(jnp.add, sums)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
