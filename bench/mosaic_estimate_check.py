@@ -1,7 +1,11 @@
 """GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums), one run.
 
     python -m bench.mosaic_estimate_check [--block-k 128,64] [--stages 5,3]
-        [--cluster 1,2,4] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
+        [--cluster 1,2,4] [--cases causal-32k,...] [--skip-check] [--skip-time]
+        [--no-smoke] [--ptxas]
+
+A whole run may take more than 10 minutes (compilations: every case and variant is a
+new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
 (--block-k / --stages / --cluster: plan variants, each a comma-separated list, checked
 and timed in every combination (`estimate_plan.estimate_plan`; one that does not fit
@@ -177,9 +181,9 @@ def _kernel_only(geom: Geometry, causal: bool, plan):
     return run, strided
 
 
-def run_timing(variants) -> None:
+def run_timing(variants, cases=TIMED) -> None:
     rows = []
-    for case in TIMED:
+    for case in cases:
         shape = ESTIMATE[case]
         geom, causal = shape.geom(), shape.causal
         flops = shape.strided_flops()
@@ -255,11 +259,17 @@ def main() -> None:
     parser.add_argument("--stages", help="comma-separated stages values to try")
     parser.add_argument("--cluster", default="1,2,4",
                         help="comma-separated cluster sizes to try (default 1,2,4)")
+    parser.add_argument("--cases", default=",".join(TIMED),
+                        help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--no-smoke", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     args = parser.parse_args()
+    cases = args.cases.split(",")
+    unknown = [case for case in cases if case not in ESTIMATE]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(ESTIMATE)}")
     if args.ptxas:  # read by Mosaic GPU when it compiles, inherited by the smoke process
         os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     variants = [{key: value for key, value in zip(("block_k", "stages", "cluster"), values)
@@ -284,7 +294,7 @@ def main() -> None:
     if not args.skip_check:
         run_checks(variants)
     if not args.skip_time:
-        run_timing(variants)
+        run_timing(variants, cases)
     print(f"total {time.perf_counter() - started:.0f}s", flush=True)
 
 
