@@ -293,7 +293,7 @@ def main() -> None:
         variants = [v for v in variants if smoke(v) != "hang"]
     if not args.skip_check:
         run_checks(variants)
-    if not args.skip_time:
+    if not args.skip_time and outcome != "fail":
         run_timing(variants, cases)
     print(f"total {time.perf_counter() - started:.0f}s", flush=True)
 
