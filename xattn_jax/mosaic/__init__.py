@@ -1,5 +1,6 @@
 """Pallas Mosaic GPU kernels for Hopper (sm_90): block-sparse attention on the estimate's
-mask (`xattn_jax.mosaic.attention`).
+mask (`xattn_jax.mosaic.attention`) and the estimate's fused block sums
+(`xattn_jax.mosaic.block_sums`, not yet chosen by `impl`).
 
 Importing this package never imports Mosaic GPU (it fails to import on some jax/CPU
 installs); `available()` says whether the kernels can run.
@@ -12,11 +13,11 @@ import importlib
 import jax
 
 HOPPER_MAJOR = 9
-# The Mosaic GPU names the kernel uses; an older jax lacking one cannot run it.
+# The Mosaic GPU names the kernels use; an older jax lacking one cannot run it.
 _MOSAIC_API = ("kernel", "CompilerParams", "SMEM", "Barrier", "ACC", "Layout",
                "TilingTransform", "SwizzleTransform", "copy_gmem_to_smem",
                "copy_smem_to_gmem", "wait_smem_to_gmem", "commit_smem", "barrier_arrive",
-               "barrier_wait", "wgmma", "layout_cast", "broadcasted_iota",
+               "barrier_wait", "wgmma", "wgmma_wait", "layout_cast", "broadcasted_iota",
                "set_max_registers")
 
 

@@ -1,0 +1,220 @@
+"""The estimate's block sums with the Mosaic GPU kernel (xattn_jax.mosaic.block_sums),
+against the plain-JAX reference (docs/estimate.md sections 1-3).
+
+On CPU, any jax: the plan's refusals and overrides, and the tile walk (which key tiles a
+row tile computes, which it masks) against its definition. Where Mosaic GPU imports (jax
+>= 0.11): the kernel lowers for CUDA, and runs in Pallas' GPU interpret mode
+(tests/mosaic_interpret.py) at tiny shapes. Marked `gpu` (Hopper only): the compiled
+kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import mosaic_interpret
+import np_reference as npr
+import numpy as np
+import pytest
+from cases import F32_RTOL
+
+from xattn_jax import mosaic, reference
+from xattn_jax.checks import check_qk
+from xattn_jax.geometry import Geometry
+from xattn_jax.mosaic import block_sums, estimate_plan
+from xattn_jax.mosaic.estimate_plan import ROWS
+
+needs_hopper = pytest.mark.skipif(mosaic.available() is not None,
+                                  reason=str(mosaic.available()))
+
+
+def _geom(batch, q_heads, kv_heads, q_len, k_len, head_dim, stride, block_size, causal):
+    """The Geometry of a valid call (built by the public argument checks)."""
+    q = jax.ShapeDtypeStruct((batch, q_heads, q_len, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_heads, k_len, head_dim), jnp.bfloat16)
+    return check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
+
+
+@pytest.mark.parametrize("geom, dtype, options, rule", [
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.float32, {}, "bfloat16 or float16"),
+    (Geometry(1, 4, 2, 1024, 1024, 96, 8, 128), jnp.bfloat16, {}, "head_dim in"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 32), jnp.bfloat16, {}, "multiple of 8 x stride"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"key_len": True},
+     "no key_len"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"paged": True},
+     "no paged"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 16, 128), jnp.bfloat16, {}, "shared memory"),
+    (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16, {}, "statistics"),
+])
+def test_plan_refuses_unsupported_calls(geom, dtype, options, rule):
+    reason = estimate_plan.unsupported_reason(geom, dtype, **options)
+    assert reason is not None and rule in reason, reason
+    if not options:
+        with pytest.raises(ValueError, match=rule):
+            estimate_plan.estimate_plan(geom, dtype)
+
+
+def test_plan_defaults_fit_and_overrides_are_checked():
+    geom = Geometry(1, 32, 8, 65536, 65536, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    assert plan.smem_bytes(2) <= estimate_plan.SMEM_BYTES
+    deeper = estimate_plan.EstimatePlan(geom, plan.block_k, plan.block_d, plan.stages + 1)
+    assert (plan.stages == estimate_plan.MAX_STAGES
+            or deeper.smem_bytes(2) > estimate_plan.SMEM_BYTES)
+    # 16 units of 16 columns per tile of 128: maximum, 16 sums, their total
+    assert (plan.unit, plan.units_per_tile, plan.stat_planes) == (16, 8, 10)
+    with pytest.raises(ValueError, match="block_k"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=96)
+    with pytest.raises(ValueError, match="shared memory"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, stages=8)
+    with pytest.raises(ValueError, match="stages"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, stages=1)
+    with pytest.raises(ValueError, match="cluster"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=3)
+    with pytest.raises(ValueError, match="leave_out"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, leave_out="epilogue")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len, k_len, block_size, block_k", [
+    (1024, 1024, 128, 128), (1000, 1512, 64, 64), (256, 4352, 512, 256), (8, 520, 64, 64)])
+def test_tile_walk_matches_the_visibility_rule(q_len, k_len, block_size, block_k, causal):
+    """Per row tile: the tiles computed are exactly those holding a column some of its
+    rows sees, and the unmasked ones exactly those every one of its rows sees in full."""
+    geom = _geom(1, 2, 1, q_len, k_len, 64, 8, block_size, causal)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k)
+    row0 = np.arange(plan.row_tiles) * ROWS
+    computed = np.asarray(estimate_plan.visible_tiles(plan, causal, row0))
+    unmasked = np.asarray(estimate_plan.unmasked_tiles(plan, causal, row0))
+    rows = np.arange(plan.padded_rows)[:, None]
+    cols = np.arange(plan.padded_cols)[None, :]
+    seen = (cols < geom.k_cols) & ((cols <= rows + geom.row_offset) | (not causal))
+    seen = seen.reshape(plan.row_tiles, ROWS, plan.key_tiles, block_k)
+    np.testing.assert_array_equal(computed, [np.flatnonzero(t.any(axis=(0, 2))).max() + 1
+                                             for t in seen])
+    np.testing.assert_array_equal(unmasked, [np.argmin(np.append(t.all(axis=(0, 2)), False))
+                                             for t in seen])
+
+
+def _mosaic_gpu_import_error() -> str | None:
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except Exception as error:  # this jax cannot build Mosaic GPU kernels at all
+        return repr(error)
+    return None
+
+
+@pytest.mark.skipif(_mosaic_gpu_import_error() is not None,
+                    reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
+@pytest.mark.parametrize("shape, causal, options", [
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {}),
+    ((2, 4, 2, 1000, 1512, 64, 8, 64), False, {"block_k": 64}),
+    ((1, 4, 1, 512, 2560, 128, 8, 1024), True, {"block_k": 256, "stages": 2}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"cluster": 2}),
+    ((1, 4, 2, 1000, 1512, 128, 8, 256), False, {"cluster": 2, "block_k": 64}),
+    ((1, 32, 8, 8192, 8192, 128, 8, 128), True, {"cluster": 4}),
+    ((1, 4, 2, 1024, 2048, 64, 8, 64), True, {"block_k": 256}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "product"}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "statistics"}),
+])
+def test_kernel_lowers_for_cuda(shape, causal, options):
+    """Without a GPU: Mosaic GPU's lowering (layout inference and the shared memory
+    budget included, for sm_90) accepts the kernel and the module holds its custom
+    call."""
+    batch, q_heads, kv_heads, q_len, k_len, dim, stride, block_size = shape
+    geom = _geom(*shape, causal)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+    q = jax.ShapeDtypeStruct((batch, q_heads, q_len, dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_heads, k_len, dim), jnp.bfloat16)
+
+    def call(q, k):
+        return block_sums.block_sums(q, k, plan=plan, causal=causal, norm=1.0)
+
+    lowered = jax.jit(call).trace(q, k).lower(lowering_platforms=("cuda",))
+    assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
+
+
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, norm, plan options):
+# several units per tile and both consumers, odd lengths with partly filled stride groups
+# and tiles, causal Lq < Lk, D 128 (two head-dim parts per step), a ring of 2 slots,
+# blocks of several units and of one, clusters of two CTAs sharing the key chunks (an
+# odd number of real row tiles; causal: the cluster's first CTA walks a tile it does not
+# see; a cluster of four), float16.
+INTERPRET_CASES = [
+    (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
+    (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
+    (1, 4, 2, 128, 384, 128, 2, 128, True, 1.0, {"block_k": 64, "stages": 2}),
+    (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128}),
+    (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0, {"block_k": 64, "stages": 2, "cluster": 2}),
+    (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0, {"block_k": 64, "cluster": 2}),
+    (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0, {"block_k": 64, "dtype": jnp.float16}),
+    (1, 2, 1, 300, 556, 64, 2, 64, True, 1.0, {"block_k": 64, "stages": 3, "cluster": 4}),
+]
+
+
+@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
+@pytest.mark.parametrize("case", INTERPRET_CASES)
+def test_kernel_in_gpu_interpret_mode(rand, case):
+    """The kernel's code (producer, consumers, ring, barriers, masks) on CPU: equal to the
+    reference within float32 rounding, no race, every barrier phase seen. Interpret mode
+    fills the kernel's output with NaN first, so statistics the kernel leaves unwritten
+    (tiles no row sees) must be replaced by the wrapper."""
+    *shape, causal, norm, options = case
+    options = dict(options)
+    dtype = options.pop("dtype", jnp.bfloat16)
+    geom = _geom(*shape, causal)
+    q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=dtype)
+    plan = estimate_plan.estimate_plan(geom, dtype, **options)
+    with mosaic_interpret.interpret_kernel() as races_found:
+        got = np.asarray(block_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm))
+        assert not races_found(), str(rand)
+    want = reference.block_sums(q, k, geom, causal=causal, norm=norm)
+    assert got.shape == (geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks)
+    err = npr.rel_err(got, want)
+    assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
+
+
+@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
+def test_timing_variant_without_products_reads_zero_scores(rand):
+    """leave_out="product" keeps the pipeline and the statistics and reads every score as
+    0: the block sums of q = 0 (each row spread evenly over the columns it sees)."""
+    geom = _geom(1, 2, 1, 256, 384, 64, 2, 32, True)
+    q, k = rand.qk(1, 2, 1, 256, 384, 64, stride=2, dtype=jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=64, leave_out="product")
+    with mosaic_interpret.interpret_kernel() as races_found:
+        got = np.asarray(block_sums.block_sums(q, k, plan=plan, causal=True, norm=1.0))
+        assert not races_found(), str(rand)
+    want = reference.block_sums(jnp.zeros_like(q), k, geom, causal=True, norm=1.0)
+    assert npr.rel_err(got, want) <= F32_RTOL, str(rand)
+
+
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options)
+GPU_CASES = [
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {}),
+    (1, 32, 8, 4096, 4096, 128, 8, 64, False, {}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {}),
+    (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {}),
+    (1, 4, 1, 777, 777, 128, 8, 128, True, {}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 2, "block_k": 256}),
+    (1, 32, 8, 4096, 8192, 128, 8, 512, True, {"cluster": 4}),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_kernel_equals_reference(rand, case):
+    *shape, causal, options = case
+    geom = _geom(*shape, causal)
+    q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+    got = block_sums.block_sums(q, k, plan=plan, causal=causal, norm=1.0)
+    want = reference.block_sums(q, k, geom, causal=causal, norm=1.0)
+    err = npr.rel_err(got, want)
+    assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
