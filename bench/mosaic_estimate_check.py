@@ -169,7 +169,7 @@ def run_checks(variants) -> None:
 def _kernel_only(geom: Geometry, causal: bool, plan):
     """The Mosaic kernel alone on pre-padded, pre-reshaped inputs (no epilogue)."""
     from xattn_jax.mosaic import tile_stats
-    from xattn_jax.triton.common import LOG2_E
+    from xattn_jax.row_statistics import LOG2_E
 
     run = jax.jit(functools.partial(tile_stats.tile_stats, plan=plan, causal=causal,
                                     scale=geom.scale * LOG2_E))

@@ -5,7 +5,8 @@ the tile), runs the row-statistics kernel (`xattn_jax.mosaic.tile_stats`, import
 first call only, so that this module imports with any jax), marks the statistics of key
 tiles a row tile never sees as empty (-inf maxima, zero sums: the kernel does not write
 them), and normalizes exactly with the Triton one-pass kernel's epilogue
-(`xattn_jax.triton.one_pass._combine`, unchanged: the statistics are the same).
+(`xattn_jax.row_statistics.combine`, as the Triton one-pass kernel: the statistics are
+the same).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax.mosaic.estimate_plan import ROWS, EstimatePlan, visible_tiles
-from xattn_jax.triton.common import LOG2_E
-from xattn_jax.triton.one_pass import _combine
+from xattn_jax.row_statistics import LOG2_E, combine
 
 
 def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
@@ -29,7 +29,7 @@ def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
 
 
 def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool):
-    """The kernel's statistics `[B, Hq, T, planes, R]` as `_combine` takes them: maxima and
+    """The kernel's statistics `[B, Hq, T, planes, R]` as `combine` takes them: maxima and
     totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R, P]`; tiles a row tile does not see
     become empty (-inf, 0), whatever their memory holds."""
     units = plan.units_per_tile
@@ -58,4 +58,4 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
                                   _strided(k, s, plan.padded_cols * s), plan=plan,
                                   causal=causal, scale=geom.scale / norm * LOG2_E)
     maxes, sums, totals = _planes(stats, plan, causal)
-    return _combine(maxes, sums, totals, geom, plan.unit, 0, geom.q_blocks)
+    return combine(maxes, sums, totals, geom, plan.unit, 0, geom.q_blocks, True)

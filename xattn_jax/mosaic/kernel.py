@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.plan import AttentionPlan
+from xattn_jax.row_statistics import LOG2_E
 
-LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 _M_START = -1e30  # running max before any visible key (log2 units); finite on purpose
 CONSUMER_REGISTERS = 232  # per thread, raised in the consumer warpgroups; to be measured

@@ -24,8 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 from xattn_jax.geometry import Geometry, next_pow2
 from xattn_jax.triton.plan import Plan
 
-LOG2_E = 1.4426950408889634
 COL_AXIS, ROW_AXIS, BATCH_AXIS, HEAD_AXIS = range(4)
+
 
 def kernel_grid(plan: Plan, row_tiles: int, col_groups: int = 1,
                 heads: int | None = None) -> tuple[int, ...]:

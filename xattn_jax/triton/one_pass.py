@@ -12,7 +12,7 @@ per reshaped query row and key tile t (score tile from `RowTile`):
 where a unit is `Plan.unit` = gcd(block_rows, block_k) columns (a block is a whole
 number of units). Every key tile is independent, so programs can split a row's keys among
 them (`Plan.span` tiles each) and a short chunk of queries still fills the GPU. The
-epilogue (plain JAX, fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) s,
+epilogue (`xattn_jax.row_statistics.combine`, plain JAX fused by XLA) forms per row M = max_t m, L = sum_t 2^(m - M) s,
 and p[t, r, u] = x * 2^(m - M) / L: exactly the softmax mass of each row in each unit,
 then sums rows and units into blocks. Each score is computed once, at the price of a
 scratch of 1 + block_k / unit floats (one more with several units) per row, head and
@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.triton.common import COL_AXIS, LOG2_E, ROW_AXIS, head_spec, kernel_grid
+from xattn_jax.row_statistics import LOG2_E, combine, fit
+from xattn_jax.triton.common import COL_AXIS, ROW_AXIS, head_spec, kernel_grid
 from xattn_jax.partitioning import kernel_output
 from xattn_jax.triton.plan import Plan
 from xattn_jax.triton.row_tile import RowTile, key_operands, row_tile_refs
@@ -90,44 +91,6 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: floa
         return carry
 
     jax.lax.fori_loop(0, span - seen, unseen, None)
-
-
-def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
-    """Cuts or zero-pads `axis` to `size`."""
-    if x.shape[axis] >= size:
-        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
-def _combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry,
-             unit: int, first_row, q_blocks: int, sees_keys) -> jax.Array:
-    """maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]` and totals `[B, Hq, T, R]` (sums
-    summed over P) of rows first_row .. first_row + R -> block sums `[B, Hq, q_blocks,
-    kb]` of those rows. sees_keys: bool (may be traced), whether the call has any key
-    (False for an empty cache, whose rows then add nothing).
-
-    Written in the kernel's layout, rows summed into blocks first, so that XLA fuses the
-    weighting into that reduction and no temporary as large as the scratch is made.
-    """
-    b, h, key_tiles, rows = maxes.shape
-    row_max = maxes.max(axis=2, keepdims=True)  # [B, Hq, 1, R]
-    scale = jnp.exp2(maxes - row_max)  # [B, Hq, T, R]
-    total = (totals * scale).sum(axis=2, keepdims=True)
-    # Padded rows, and every row of a call without keys, add nothing. Any other row sees
-    # at least one key, so it has no softmax when each of its scores is -inf (an inf in
-    # k): its maximum -inf makes it NaN, as in the reference (docs/estimate.md,
-    # "Numerics"). A row holding a NaN stays NaN even where a maximum skipped the NaN:
-    # its x is NaN.
-    counts = ((first_row + jnp.arange(rows)) < geom.q_rows) & sees_keys
-    probs = jnp.where(counts[..., None], sums * (scale / total)[..., None], 0.0)
-    probs = _fit(probs, 3, q_blocks * geom.block_rows)
-    rows_summed = probs.reshape(b, h, key_tiles, q_blocks, geom.block_rows, -1).sum(axis=4)
-    per_block = geom.block_rows // unit
-    units = jnp.moveaxis(rows_summed, 2, 3).reshape(b, h, q_blocks, -1)  # [B, Hq, qb, T*P]
-    units = _fit(units, 3, geom.k_blocks * per_block)
-    return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)
 
 
 def _column_scores(q, group, geom: Geometry, norm: float) -> jax.Array:
@@ -232,11 +195,11 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
         if last_group is not None:
             column, scores, present = last_group
             scores = jax.lax.dynamic_slice_in_dim(scores, first_head, heads, axis=1)
-            scores = jax.lax.dynamic_slice_in_dim(_fit(scores, 2, row_extent), first_row,
+            scores = jax.lax.dynamic_slice_in_dim(fit(scores, 2, row_extent), first_row,
                                                   call_rows, axis=2)
             maxes, sums, totals = _add_column(maxes, sums, totals, scores, column,
                                               plan.block_k, unit, present)
-        return _combine(maxes, sums, totals, geom, unit, first_row, q_blocks, sees_keys)
+        return combine(maxes, sums, totals, geom, unit, first_row, q_blocks, sees_keys)
 
     if heads == geom.q_heads and all_rows:
         return block_sums_of(0, 0, geom.q_blocks)

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from xattn_jax.triton.common import (BATCH_AXIS, HEAD_AXIS, LOG2_E, ROW_AXIS, batch_spec,
+from xattn_jax.row_statistics import LOG2_E
+from xattn_jax.triton.common import (BATCH_AXIS, HEAD_AXIS, ROW_AXIS, batch_spec,
                                      load_paged_tokens, load_tokens, score_tile,
                                      step_product, whole_spec)
 from xattn_jax.triton.plan import Plan

@@ -1,0 +1,59 @@
+"""The exact epilogue of the one-pass block sums (docs/estimate.md sections 2-3), shared
+by the one-pass kernels of both backends (`xattn_jax.triton.one_pass`,
+`xattn_jax.mosaic.block_sums`).
+
+A row's softmax needs its maximum and sum over every key before any block sum can be
+normalized, so those kernels store, per reshaped query row r and key tile t, the tile's
+maximum m[t, r] of A' = A * log2(e), the sums x[t, r, u] of 2^(A' - m) over the columns
+of each unit u (`gcd(block_rows, tile columns)` columns: a block is a whole number of
+units) and their totals. `combine` forms per row M = max_t m and L = sum_t 2^(m - M) total,
+weighs each x by 2^(m - M) / L (exactly the row's softmax mass in the unit) and sums rows
+and units into blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xattn_jax.geometry import Geometry
+
+LOG2_E = 1.4426950408889634  # scores are kept in base 2: 2^(A log2 e) = e^A
+
+
+def fit(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Cuts or zero-pads `axis` to `size`."""
+    if x.shape[axis] >= size:
+        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry,
+             unit: int, first_row, q_blocks: int, sees_keys) -> jax.Array:
+    """maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]` and totals `[B, Hq, T, R]` (sums
+    summed over P) of rows first_row .. first_row + R -> block sums `[B, Hq, q_blocks,
+    kb]` of those rows. sees_keys: bool (may be traced), whether the call has any key
+    (False for an empty cache, whose rows then add nothing).
+
+    Written in the kernel's layout, rows summed into blocks first, so that XLA fuses the
+    weighting into that reduction and no temporary as large as the scratch is made.
+    """
+    b, h, key_tiles, rows = maxes.shape
+    row_max = maxes.max(axis=2, keepdims=True)  # [B, Hq, 1, R]
+    scale = jnp.exp2(maxes - row_max)  # [B, Hq, T, R]
+    total = (totals * scale).sum(axis=2, keepdims=True)
+    # Padded rows, and every row of a call without keys, add nothing. Any other row sees
+    # at least one key, so it has no softmax when each of its scores is -inf (an inf in
+    # k): its maximum -inf makes it NaN, as in the reference (docs/estimate.md,
+    # "Numerics"). A row holding a NaN stays NaN even where a maximum skipped the NaN:
+    # its x is NaN.
+    counts = ((first_row + jnp.arange(rows)) < geom.q_rows) & sees_keys
+    probs = jnp.where(counts[..., None], sums * (scale / total)[..., None], 0.0)
+    probs = fit(probs, 3, q_blocks * geom.block_rows)
+    rows_summed = probs.reshape(b, h, key_tiles, q_blocks, geom.block_rows, -1).sum(axis=4)
+    per_block = geom.block_rows // unit
+    units = jnp.moveaxis(rows_summed, 2, 3).reshape(b, h, q_blocks, -1)  # [B, Hq, qb, T*P]
+    units = fit(units, 3, geom.k_blocks * per_block)
+    return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)
