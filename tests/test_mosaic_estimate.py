@@ -75,6 +75,16 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, leave_out="epilogue")
 
 
+def test_shared_memory_is_counted_as_mosaic_gpu_does():
+    """6-stage plans the H200's Mosaic GPU refused (jax 0.11.2), with the byte counts it
+    gave: our count equals them, so such plans are no longer chosen."""
+    for block_size, planes, refused in ((1024, 2, 232600), (512, 4, 233624)):
+        geom = Geometry(1, 32, 8, 16384, 16384, 128, 8, block_size)
+        plan = estimate_plan.EstimatePlan(geom, 128, 64, 6)
+        assert plan.stat_planes == planes and plan.smem_bytes(2) == refused
+        assert estimate_plan.estimate_plan(geom, jnp.bfloat16).stages == 5
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_len, k_len, block_size, block_k", [
     (1024, 1024, 128, 128), (1000, 1512, 64, 64), (256, 4352, 512, 256), (8, 520, 64, 64)])

@@ -6,9 +6,13 @@ and nowhere else.
   elsewhere Pallas interpret mode (slow: for tests). The estimate's ops
   (`strided_scores`, `block_sums`, `select_blocks`); no attention kernel.
 - "mosaic": Pallas kernels on the Mosaic GPU backend (`xattn_jax.mosaic`); NVIDIA Hopper
-  GPUs (H100, H200). Block-sparse attention; no estimate kernels yet.
+  GPUs (H100, H200). Block-sparse attention, and the estimate's fused block sums
+  (sections 1-3) on a contiguous k with all keys in use (a ValueError names what else a
+  call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
-  "triton" on a GPU, "reference" elsewhere; for attention "mosaic" where it can run
+  "triton" on a GPU (also on Hopper: the Mosaic block sums measured 3-15% slower than
+  the Triton kernel on the H200, `bench/results/mosaic_estimate_h200.md`), "reference"
+  elsewhere; for attention "mosaic" where it can run
   and takes the call's arguments (dtype, head dim, block size, page size), else
   "reference".
 
@@ -71,6 +75,10 @@ class Implementation:
             keys = k if block_table is None else reference.gather_pages(k, block_table)
             return reference.block_sums(q, keys, geom, causal=causal, norm=norm,
                                         key_len=key_len)
+        if self.name == "mosaic":
+            return _mosaic_block_sums(q, k, geom=geom, causal=causal, norm=norm,
+                                      key_len=key_len, block_table=block_table,
+                                      max_scratch_bytes=max_scratch_bytes)
         plan = plan_block_sums(geom, q.dtype, causal, interpret=self.interpret,
                                max_scratch_bytes=max_scratch_bytes)
         return triton_block_sums.block_sums(
@@ -85,6 +93,24 @@ class Implementation:
             return reference.select_blocks(sums, threshold, **rules)
         plan = plan_select_blocks(sums.shape, interpret=self.interpret)
         return triton_select.select_blocks(sums, threshold, plan=plan, **rules)
+
+
+def _mosaic_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
+                       block_table, max_scratch_bytes: int | None) -> jax.Array:
+    """The Mosaic block sums, or a ValueError saying why they cannot take this call."""
+    from xattn_jax.mosaic import estimate_plan  # plain Python, no Mosaic GPU
+
+    reason = estimate_plan.unsupported_reason(geom, q.dtype, key_len=key_len is not None,
+                                              paged=block_table is not None)
+    if reason is not None:
+        raise ValueError(f"{reason}; impl='triton' or 'auto' take this call")
+    plan = estimate_plan.estimate_plan(geom, q.dtype)
+    if max_scratch_bytes is not None and plan.scratch_bytes > max_scratch_bytes:
+        raise ValueError(f"impl='mosaic' block sums need {plan.scratch_bytes} bytes of "
+                         f"statistics, over max_scratch_bytes={max_scratch_bytes}; "
+                         f"impl='triton' works within the bound")
+    from xattn_jax.mosaic import block_sums as mosaic_block_sums  # imports Mosaic GPU
+    return mosaic_block_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm)
 
 
 def device_of(*arrays) -> jax.Device | None:
@@ -127,9 +153,9 @@ def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
         return _resolve_attention(impl, device, attention_args)
     if impl == "mosaic":
         reason = mosaic.available(device)
-        raise ValueError(reason or "impl='mosaic' has no kernels for the estimate yet "
-                         "(it has them for block-sparse attention); use 'triton' or "
-                         "'auto'")
+        if reason is not None:
+            raise ValueError(f"{reason}; use 'triton' or 'auto'")
+        return Implementation("mosaic")
     if impl == "reference" or (impl == "auto" and not on_gpu):
         return Implementation("reference")
     return Implementation("triton", interpret=not on_gpu)

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry
-from xattn_jax.mosaic.plan import SMEM_BYTES, SUPPORTED_DTYPES
+from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
+from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
 from xattn_jax.triton.plan import ONE_PASS_WHOLE_CALL_BYTES
 
 ROWS = 64  # reshaped query rows per CTA: one wgmma M tile, shared by both consumers
@@ -47,9 +48,6 @@ HEAD_DIMS = (64, 128)
 MAX_BLOCK_K = 256  # a consumer's float32 accumulator: block_k / 2 registers per thread
 COLUMN_TILE = 8  # the wgmma register layout's column tile: unit sums slice at this grain
 STAT_BYTES = 4  # float32 statistics
-# Barriers and the alignment of the swizzled buffers: Mosaic GPU's lowering counts 2.2 KiB
-# beyond the buffers for this kernel's layout
-SMEM_RESERVE = 4096
 # Scratch bound: the statistics of one call, as the Triton one-pass kernel's whole call
 # (row and head steps are not implemented yet: larger calls are refused)
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
@@ -121,13 +119,16 @@ class EstimatePlan:
         return self.geom.stride * self.head_parts
 
     def smem_bytes(self, itemsize: int) -> int:
-        """Shared memory of one CTA: resident queries, the key ring, one statistics
-        buffer per consumer, barriers."""
+        """Shared memory of one CTA as Mosaic GPU counts it (`mosaic.smem`): resident
+        queries, the key ring, one statistics buffer per consumer, and the barriers of
+        `tile_stats.tile_stats` (queries ready; per consumer and slot, a chunk ready; per
+        slot, the slot free)."""
         geom = self.geom
         queries = ROWS * geom.stride * geom.head_dim * itemsize
         ring = self.stages * self.block_k * self.block_d * itemsize
         stats = CONSUMERS * self.stat_planes * ROWS * STAT_BYTES
-        return queries + ring + stats + SMEM_RESERVE
+        return smem_bytes([queries, ring, stats],
+                          barriers=1 + CONSUMERS * self.stages + self.stages)
 
     @property
     def scratch_bytes(self) -> int:

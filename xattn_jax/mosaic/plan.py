@@ -16,17 +16,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
+
 COMPUTE_WARPGROUPS = 2  # consumers whose softmax overlaps the other one's matmuls
 BLOCK_Q = 64  # query rows per consumer warpgroup (one wgmma M tile); to be measured
 BLOCK_KV_BY_HEAD_DIM = {64: 128, 128: 128, 256: 64}  # keys per tile; to be measured
 STAGES = 2  # key/value tiles in flight; to be measured
-SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on sm_90
-# How Mosaic GPU lays out a kernel's shared memory, fitted to its own count on the H200
-# (jax 0.11.2): 3 stages at D 128 with lse asked for 232568 bytes = the buffers, each
-# rounded up to 1 KiB, + 2 KiB + 8 bytes per barrier; the same plan without lse ran.
-SMEM_ALIGN = 1024
-SMEM_RESERVE = 2048
-BARRIER_BYTES = 8
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -52,9 +47,7 @@ class AttentionPlan:
         kv_slots = self.stages * self.block_kv * self.head_dim * itemsize
         lse_rows = self.compute_warpgroups * self.block_q * 4 if with_lse else 0
         buffers = [q_tiles, kv_slots, kv_slots] + [lse_rows] * with_lse
-        barriers = self.compute_warpgroups + 4 * self.stages + 1
-        return (sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers) + SMEM_RESERVE
-                + BARRIER_BYTES * barriers)
+        return smem_bytes(buffers, barriers=self.compute_warpgroups + 4 * self.stages + 1)
 
 
 def unsupported_reason(head_dim: int, value_dim: int, dtype, block_size: int,
