@@ -13,12 +13,29 @@ and units into blocks.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry
 
 LOG2_E = 1.4426950408889634  # scores are kept in base 2: 2^(A log2 e) = e^A
+
+
+class UnitSums:
+    """The unit sums of a plan whose key tiles are `block_k` reshaped columns of blocks of
+    `geom.block_rows` (both backends' one-pass plans derive from it)."""
+
+    @property
+    def unit(self) -> int:
+        """Columns per unit sum: gcd(block_rows, block_k), so that a block and a key tile
+        are each a whole number of units."""
+        return math.gcd(self.geom.block_rows, self.block_k)
+
+    @property
+    def units_per_tile(self) -> int:
+        return self.block_k // self.unit
 
 
 def fit(x: jax.Array, axis: int, size: int) -> jax.Array:

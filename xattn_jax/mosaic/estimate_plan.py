@@ -22,7 +22,6 @@ Tuned values are first guesses, to be measured on the H200 with
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 from xattn_jax.geometry import Geometry
 from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
 from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
+from xattn_jax.row_statistics import UnitSums
 from xattn_jax.triton.plan import ONE_PASS_WHOLE_CALL_BYTES
 
 ROWS = 64  # reshaped query rows per CTA: one wgmma M tile, shared by both consumers
@@ -58,7 +58,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class EstimatePlan:
+class EstimatePlan(UnitSums):
     """Tiles of one call. Hashable: a static jit argument.
 
     block_k: reshaped key columns per key tile; block_d: head-dim columns per pipeline
@@ -73,16 +73,6 @@ class EstimatePlan:
     stages: int
     cluster: int = CLUSTER
     leave_out: str | None = None
-
-    @property
-    def unit(self) -> int:
-        """Columns summed together: gcd(block_rows, block_k) (a block is a whole number
-        of units, a key tile too), as `triton.plan.Plan.unit`."""
-        return math.gcd(self.geom.block_rows, self.block_k)
-
-    @property
-    def units_per_tile(self) -> int:
-        return self.block_k // self.unit
 
     @property
     def stat_planes(self) -> int:

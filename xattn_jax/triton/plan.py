@@ -15,6 +15,7 @@ import math
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry, next_pow2
+from xattn_jax.row_statistics import UnitSums
 
 ONE_PASS, TWO_PASS, STRIDED_SCORES, SELECT_BLOCKS = ("one_pass", "two_pass", "strided_scores",
                                                      "select_blocks")
@@ -70,7 +71,7 @@ SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(UnitSums):
     """What one Triton-backend kernel call runs. Hashable: a static jit argument.
 
     kernel: ONE_PASS, TWO_PASS, STRIDED_SCORES or SELECT_BLOCKS. block_q x block_k: the
@@ -109,16 +110,6 @@ class Plan:
         """The two-pass kernel's internal block in reshaped rows: the largest divisor of
         block_rows that divides both tile sides."""
         return math.gcd(self.geom.block_rows, self.block_q, self.block_k)
-
-    @property
-    def unit(self) -> int:
-        """The one-pass kernel's column unit: gcd(block_rows, block_k) columns (a block
-        is a whole number of units)."""
-        return math.gcd(self.geom.block_rows, self.block_k)
-
-    @property
-    def units_per_tile(self) -> int:
-        return self.block_k // self.unit
 
     @property
     def key_groups(self) -> int:
