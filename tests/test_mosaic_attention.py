@@ -215,39 +215,29 @@ def _assert_close(out, lse, want_out, want_lse, msg):
     np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-2, err_msg=msg)
 
 
+# (case, page size or None, key counts n): a padded cache, causal or not; a chunk of 512
+# queries over shuffled pages (NaN in the spare ones), GQA 4:2
+KEYS_IN_USE_CASES = [
+    (AttentionCase("traced-keys", 1, 4, 2, 256, 1024, 128, causal=True,
+                   dtype=jnp.bfloat16, density=0.7), None, (300, 701, 1024)),
+    (AttentionCase("traced-keys-noncausal", 1, 4, 2, 256, 1024, 128, causal=False,
+                   dtype=jnp.bfloat16, density=0.7), None, (300, 701, 1024)),
+] + [(AttentionCase("paged-chunk", 2, 4, 2, 512, 8192, 128, dtype=jnp.bfloat16), page,
+      (8192, 5000)) for page in (128, 512, 4096)]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("causal", [True, False])
-def test_kernel_keys_in_use_traced(rand, causal):
+@pytest.mark.parametrize("case, page_size, key_counts", KEYS_IN_USE_CASES,
+                         ids=lambda x: getattr(x, "id", None))
+def test_kernel_keys_in_use_traced(rand, case, page_size, key_counts):
     """k_len as a traced int32: one compilation serves several key counts n; keys from n
-    on are hidden and row i sits at key i + n - Lq."""
-    case = AttentionCase("traced-keys", 1, 4, 2, 256, 1024, 128, causal=causal,
-                         dtype=jnp.bfloat16, density=0.7)
+    on are hidden and row i sits at key i + n - Lq. With `page_size`, k and v are read
+    through the block table: equal to the reference on the contiguous cache."""
     q, k, v, mask = _inputs(rand, case)
-
-    @jax.jit
-    def attend(q, k, v, mask, keys_in_use):
-        return attention.block_sparse_attention(q, k, v, mask, return_lse=True,
-                                                k_len=keys_in_use, **case.options)
-
-    for keys_in_use in (300, 701, 1024):
-        out, lse = attend(q, k, v, mask, jnp.int32(keys_in_use))
-        want_out, want_lse = reference_attention(
-            q, k, v, mask, dataclasses.replace(case, keys_in_use=keys_in_use))
-        _assert_close(out, lse, want_out, want_lse, f"n={keys_in_use} {rand}")
-    assert attend._cache_size() == 1
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("page_size", [128, 512, 4096])
-def test_kernel_reads_paged_caches(rand, page_size):
-    """Shuffled pages (NaN in the spare ones) through the block table, a chunk of 512
-    queries at the end of n cached keys (n traced: one compilation), GQA 4:2: equal to
-    the reference on the contiguous cache."""
-    case = AttentionCase("paged-chunk", 2, 4, 2, 512, 8192, 128, dtype=jnp.bfloat16)
-    q, k, v, mask = _inputs(rand, case)
-    k_pages, v_pages, table = rand.paged(page_size, k, v)
+    cache, table = (k, v), None
+    if page_size is not None:
+        *cache, table = rand.paged(page_size, k, v)
 
     @jax.jit
     def attend(q, k, v, mask, table, keys_in_use):
@@ -255,8 +245,8 @@ def test_kernel_reads_paged_caches(rand, page_size):
                                                 block_table=table, k_len=keys_in_use,
                                                 **case.options)
 
-    for keys_in_use in (8192, 5000):
-        out, lse = attend(q, k_pages, v_pages, mask, table, jnp.int32(keys_in_use))
+    for keys_in_use in key_counts:
+        out, lse = attend(q, *cache, mask, table, jnp.int32(keys_in_use))
         want_out, want_lse = reference_attention(
             q, k, v, mask, dataclasses.replace(case, keys_in_use=keys_in_use))
         _assert_close(out, lse, want_out, want_lse, f"n={keys_in_use} {rand}")
