@@ -9,6 +9,11 @@ import dataclasses
 import math
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (Triton tiles must have power-of-two sizes)."""
     return 1 << max(0, (n - 1).bit_length())

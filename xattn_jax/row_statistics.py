@@ -37,6 +37,13 @@ class UnitSums:
     def units_per_tile(self) -> int:
         return self.block_k // self.unit
 
+    @property
+    def stat_planes(self) -> int:
+        """Floats stored per row and key tile: the maximum, the unit sums and, with
+        several units, their total."""
+        units = self.units_per_tile
+        return 1 + units + (units > 1)
+
 
 def fit(x: jax.Array, axis: int, size: int) -> jax.Array:
     """Cuts or zero-pads `axis` to `size`."""

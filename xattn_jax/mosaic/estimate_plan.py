@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.geometry import Geometry
+from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
 from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
 from xattn_jax.row_statistics import UnitSums
@@ -53,10 +53,6 @@ STAT_BYTES = 4  # float32 statistics
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclasses.dataclass(frozen=True)
 class EstimatePlan(UnitSums):
     """Tiles of one call. Hashable: a static jit argument.
@@ -75,16 +71,9 @@ class EstimatePlan(UnitSums):
     leave_out: str | None = None
 
     @property
-    def stat_planes(self) -> int:
-        """Floats stored per row and key tile: the maximum, the unit sums and, with
-        several units, their total."""
-        units = self.units_per_tile
-        return 1 + units + (units > 1)
-
-    @property
     def row_tiles(self) -> int:
         """CTAs per (batch, query head): whole clusters."""
-        return _cdiv(self.geom.q_rows, ROWS * self.cluster) * self.cluster
+        return cdiv(self.geom.q_rows, ROWS * self.cluster) * self.cluster
 
     @property
     def padded_rows(self) -> int:
@@ -92,7 +81,7 @@ class EstimatePlan(UnitSums):
 
     @property
     def key_tiles(self) -> int:
-        return _cdiv(self.geom.k_cols, self.block_k)
+        return cdiv(self.geom.k_cols, self.block_k)
 
     @property
     def padded_cols(self) -> int:

@@ -14,7 +14,7 @@ import math
 
 import jax.numpy as jnp
 
-from xattn_jax.geometry import Geometry, next_pow2
+from xattn_jax.geometry import Geometry, cdiv, next_pow2
 from xattn_jax.row_statistics import UnitSums
 
 ONE_PASS, TWO_PASS, STRIDED_SCORES, SELECT_BLOCKS = ("one_pass", "two_pass", "strided_scores",
@@ -98,7 +98,7 @@ class Plan(UnitSums):
     @property
     def key_tiles(self) -> int:
         """Key tiles covering the reshaped key columns."""
-        return _cdiv(self.geom.k_cols, self.block_k)
+        return cdiv(self.geom.k_cols, self.block_k)
 
     @property
     def head_parts(self) -> int:
@@ -114,7 +114,7 @@ class Plan(UnitSums):
     @property
     def key_groups(self) -> int:
         """One-pass programs per row tile: key tiles in groups of `span`."""
-        return _cdiv(self.key_tiles, self.span)
+        return cdiv(self.key_tiles, self.span)
 
     @property
     def stored_key_tiles(self) -> int:
@@ -133,16 +133,14 @@ class Plan(UnitSums):
     @property
     def padded_rows(self) -> int:
         """The reshaped query rows a call covering all of them holds: whole row tiles."""
-        return _cdiv(self.geom.q_rows, self.block_q) * self.block_q
+        return cdiv(self.geom.q_rows, self.block_q) * self.block_q
 
     @property
     def head_row_scratch_bytes(self) -> int:
         """One-pass scratch bytes per reshaped query row and query head: the maximum m,
         the unit sums x and, with several units per tile, the row total s, for every key
         tile and batch element."""
-        units = self.units_per_tile
-        per_tile = 1 + units + (units > 1)
-        return (self.geom.batch * self.stored_key_tiles * per_tile
+        return (self.geom.batch * self.stored_key_tiles * self.stat_planes
                 * jnp.dtype(jnp.float32).itemsize)
 
     @property
@@ -156,11 +154,7 @@ class Plan(UnitSums):
         if self.kernel != ONE_PASS:
             return 1
         per_call = self.geom.q_blocks if self.all_rows else self.call_rows // self.geom.block_rows
-        return _cdiv(self.geom.q_heads, self.call_heads) * _cdiv(self.geom.q_blocks, per_call)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+        return cdiv(self.geom.q_heads, self.call_heads) * cdiv(self.geom.q_blocks, per_call)
 
 
 def tuned_tiles(geom: Geometry, dtype) -> Tiles:
@@ -175,10 +169,10 @@ def _default_span(geom: Geometry, tiles: Tiles, causal: bool) -> int:
     """Key tiles per one-pass program: 2 in causal calls (balances the triangle), 8
     otherwise, fewer where a short chunk of queries would leave the GPU with fewer than
     MIN_PROGRAMS programs."""
-    key_tiles = _cdiv(geom.k_cols, tiles.block_k)
-    row_programs = geom.batch * geom.q_heads * _cdiv(geom.q_rows, tiles.block_q)
-    groups = _cdiv(MIN_PROGRAMS, row_programs)
-    return min(CAUSAL_SPAN if causal else SPAN, _cdiv(key_tiles, groups))
+    key_tiles = cdiv(geom.k_cols, tiles.block_k)
+    row_programs = geom.batch * geom.q_heads * cdiv(geom.q_rows, tiles.block_q)
+    groups = cdiv(MIN_PROGRAMS, row_programs)
+    return min(CAUSAL_SPAN if causal else SPAN, cdiv(key_tiles, groups))
 
 
 def _scratch_bound(plan: Plan) -> int:
@@ -200,8 +194,8 @@ def _even_steps(total: int, fit: int, quantum: int) -> int | None:
     if not even one quantum fits."""
     if fit < quantum:
         return None
-    steps = _cdiv(total, fit // quantum * quantum)
-    return _cdiv(_cdiv(total, steps), quantum) * quantum
+    steps = cdiv(total, fit // quantum * quantum)
+    return cdiv(cdiv(total, steps), quantum) * quantum
 
 
 def _call_shape(plan: Plan, max_scratch_bytes: int) -> tuple[int, int] | None:
