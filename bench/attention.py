@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import (MATMUL_FLOPS, Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
-                          markdown_table, record, strided_flops, time_ms, write_json)
+                          print_report, record, strided_flops, time_ms, write_json)
 from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 
@@ -254,8 +254,7 @@ def main(argv=None) -> None:
         records.append(run_case(name, sz, args.impl, args.threshold))
         if args.json:  # after every case, so a cut-short run keeps what it measured
             write_json(args.json, records)
-    print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
-    print(markdown_table(records))
+    print_report(records)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import xattn_torch_bridge  # noqa: F401  first: configures JAX's GPU memory
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import (Sizes, floor_ms, jax_extra_mib, log, markdown_table,  # noqa: E402
+from bench.common import (Sizes, floor_ms, jax_extra_mib, log, print_report,  # noqa: E402
                           record, strided_flops, time_ms, write_json)
 from xattn_jax import kv_block_scores, select_kv_blocks  # noqa: E402
 
@@ -115,8 +115,7 @@ def main(argv=None) -> None:
             records += run(f"{context // 1024}k", context, sz)
             if args.json:
                 write_json(args.json, records)
-    print(f"\n{records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
-    print(markdown_table(records))
+    print_report(records)
 
 
 if __name__ == "__main__":

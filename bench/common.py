@@ -135,14 +135,17 @@ def record(case: str, impl: str, ms: float, floor: float, extra_mib: float) -> d
             "date": today(), "versions": versions()}
 
 
-def markdown_table(records: list[dict]) -> str:
+def print_report(records: list[dict]) -> None:
+    """The run's GPU, versions and date, then its records as a markdown table."""
+    first = records[0]
+    print(f"\nGPU: {first['gpu']}; {first['versions']}; {first['date']}\n")
     lines = ["| case | impl | ms | floor ms | time / floor | extra MiB |",
              "|---|---|---|---|---|---|"]
     for r in records:
         ratio = r["ms"] / r["floor_ms"] if r["floor_ms"] else float("nan")
         lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{ratio:.2f} | {r['extra_mib']:.1f} |")
-    return "\n".join(lines)
+    print("\n".join(lines))
 
 
 def write_json(path: str, records: list[dict]) -> None:

@@ -21,7 +21,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax.numpy as jnp  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
-from bench.common import (floor_ms, jax_extra_mib, log, markdown_table, record,  # noqa: E402
+from bench.common import (floor_ms, jax_extra_mib, log, print_report, record,  # noqa: E402
                           time_ms, write_json)
 from xattn_jax import xattn_estimate  # noqa: E402
 
@@ -108,8 +108,7 @@ def main(argv=None) -> None:
         notes += [note] if note else []
         if args.json:  # after every case, so a cut-short run keeps what it measured
             write_json(args.json, records)
-    print(f"\nGPU: {records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
-    print(markdown_table(records))
+    print_report(records)
     for note in notes:
         print(f"\n{note}")
 

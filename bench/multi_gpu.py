@@ -156,7 +156,7 @@ def main(argv=None) -> None:
                                    f"platform_device_count={SMOKE_DEVICES}").strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-    from bench.common import log, markdown_table, write_json
+    from bench.common import log, print_report, write_json
 
     sz = SMOKE if args.smoke else FULL
     records = []
@@ -169,8 +169,7 @@ def main(argv=None) -> None:
         records += run_case(name, case, sz)
         if args.json:
             write_json(args.json, records)
-    print(f"\n{records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
-    print(markdown_table(records))
+    print_report(records)
     print("\n| case | impl | speed-up | collectives |\n|---|---|---|---|")
     for r in records:
         print(f"| {r['case']} | {r['impl']} | {r['speedup']:.2f} | "

@@ -56,7 +56,7 @@ import xattn_jax  # noqa: E402
 
 from bench.bridge_overhead import host_us  # noqa: E402
 from bench.chunked import FULL, SMALL, floor_of, kernel_rows, tokens  # noqa: E402
-from bench.common import (Sizes, floor_ms, log, markdown_table, record,  # noqa: E402
+from bench.common import (Sizes, floor_ms, log, print_report, record,  # noqa: E402
                           strided_flops, time_ms, write_json)
 
 SELECT_SLACK_MS = 0.12  # select_blocks over the kernel (issue 15)
@@ -350,8 +350,7 @@ def main(argv=None) -> int:
                        ("bridged estimate", estimate_rows), ("hand-off", handoff_rows)):
         log(what)
         save(rows(run))
-    print(f"\n{records[0]['gpu']}; {records[0]['versions']}; {records[0]['date']}\n")
-    print(markdown_table(records))
+    print_report(records)
     return 0
 
 
