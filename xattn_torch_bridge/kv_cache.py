@@ -33,12 +33,11 @@ stages the same way and makes torch's current stream wait for it; see their docs
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import torch
 from xattn_jax.checks import check_int
 
-from xattn_torch_bridge.dlpack import Place, current_stream, view_in_jax
+from xattn_torch_bridge.dlpack import current_stream
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_TYPES = frozenset({int, np.int32, np.int64})  # what a list of block ids may hold
@@ -58,7 +57,6 @@ class _TableBuffer:
         self.table = torch.zeros(width + 1, dtype=torch.int32, device=device) if cuda \
             else self.host
         self.copied = torch.cuda.Event() if cuda else None
-        self._view = None
 
     def write(self, pages: np.ndarray, tokens: int) -> None:
         """Fills the table (pages, padded with the first page, then `tokens`), its copy
@@ -72,13 +70,6 @@ class _TableBuffer:
         if self.copied is not None:
             self.table.copy_(self.host, non_blocking=True)
             self.copied.record(current_stream(self.index))
-
-    def jax_view(self, place: Place) -> jax.Array:
-        """The table's unordered JAX view (`place`: the cache's device), made once: the
-        buffer's memory never changes."""
-        if self._view is None:
-            self._view = view_in_jax(self.table.detach(), place, ordered=False)
-        return self._view
 
 
 class PagedKVCache:
@@ -128,7 +119,6 @@ class PagedKVCache:
         self._tokens = np.zeros(0, np.int64)
         self._next_id = 0
         self._tables: dict[int, _TableBuffer] = {}
-        self._keys_view: jax.Array | None = None
 
     # --- queries ------------------------------------------------------------------------
 
@@ -165,14 +155,6 @@ class PagedKVCache:
         if self._resident[i]:
             return self.keys[slot, :n], self.values[slot, :n]
         return self.cpu_keys[slot, :n], self.cpu_values[slot, :n]
-
-    def jax_keys(self, place: Place) -> jax.Array:
-        """`keys` as an unordered JAX array (`dlpack.view_in_jax`; place: `keys`'s, from
-        `dlpack.place_of`), made once: the pages never move. For one computation that
-        also reads an ordered view (`dlpack.views_for_one_computation`)."""
-        if self._keys_view is None:
-            self._keys_view = view_in_jax(self.keys.detach(), place, ordered=False)
-        return self._keys_view
 
     # --- changes ------------------------------------------------------------------------
 
@@ -300,10 +282,6 @@ class PagedKVCache:
         stream before that call's copy) by then, as for the staging pages. On the CPU the
         copies are done on return.
         """
-        return self._write_table(block_ids, width).table
-
-    def _write_table(self, block_ids, width: int) -> _TableBuffer:
-        """`block_table`'s work; returns the buffer written (its table and JAX view)."""
         ids = self._check_ids(block_ids, "block_ids")
         tokens = self._check_sequence(ids)
         offloaded = self._check_staging(ids)
@@ -316,7 +294,7 @@ class PagedKVCache:
         table.write(pages, tokens)
         if event is not None:
             current_stream(self.device.index).wait_event(event)
-        return table
+        return table.table
 
     # --- helpers ------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ One call of `XAttentionPolicy.select_blocks`:
    per unit, compiled once per power of two of units (and per chunk shape): the token
    count is data, read from the table on the device. Its inputs: q's view, ordered after
    torch's current stream (`dlpack.views_for_one_computation`), and the unordered views
-   of the cache's pages and table buffer, made once (`PagedKVCache.jax_keys`);
+   of the cache's pages and table buffer, made once (`dlpack.persistent_view`);
 4. exactly one device-to-host read (`dlpack.read_through_torch`): the units' bools, from which
    the ids are built.
 Nothing else crosses between host and device, and nothing waits for the device but the
@@ -196,10 +196,10 @@ class XAttentionPolicy:
         finished (the selection is read to the host), so the staging pages and the block
         table are free again.
         """
-        q, place, layout, buffer = self._prepare(q, cache, block_ids)
-        units = _selection(*views_for_one_computation(place, q), cache.jax_keys(place),
-                           buffer.jax_view(place), scoring=layout.scoring,
-                           choice=layout.choice)
+        q, place, layout, table = self._prepare(q, cache, block_ids)
+        units = _selection(*views_for_one_computation(place, q,
+                                                      persistent=(cache.keys, table)),
+                           scoring=layout.scoring, choice=layout.choice)
         return _chosen(read_through_torch(units), layout.per_unit, block_ids)  # the one read
 
     # --- the steps, for torch.compile -----------------------------------------------------
@@ -208,7 +208,7 @@ class XAttentionPolicy:
         """Host work of a selection (checks, staging, the table): the cache's block table
         for the chunk q (`PagedKVCache.block_table`, int32 `[width + 1]`), its width
         covering the context and the chunk, a power of two of whole units."""
-        return self._prepare(q, cache, block_ids)[3].table
+        return self._prepare(q, cache, block_ids)[3]
 
     def scores(self, q: torch.Tensor, cache: PagedKVCache, table: torch.Tensor) -> torch.Tensor:
         """Each unit's share of the chunk's attention: float32 `[1, Hq, units]` (rule
@@ -266,7 +266,7 @@ class XAttentionPolicy:
 
     def _prepare(self, q, cache, block_ids):
         """q as `[1, Hq, Lq, D]` (checked), its Place, the cache's layout and the block
-        table's buffer, written (checks and staging)."""
+        table, written (checks and staging: `PagedKVCache.block_table`)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         q, place = place_of(self._check_q(q, cache), "q", False)
@@ -275,7 +275,7 @@ class XAttentionPolicy:
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
         units = next_pow2(max(-(-n // per_unit), -(-q.shape[2] // unit)))
-        return q, place, layout, cache._write_table(block_ids, units * per_unit)
+        return q, place, layout, cache.block_table(block_ids, units * per_unit)
 
     @staticmethod
     def _check_q(q, cache: PagedKVCache) -> torch.Tensor:
