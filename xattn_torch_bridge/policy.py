@@ -233,7 +233,7 @@ class XAttentionPolicy:
         tensor, read to the host): a list, or a numpy array for a numpy `block_ids`."""
         if isinstance(units, torch.Tensor):
             units = units.cpu().numpy()
-        return _chosen(units, self._unit(cache.block_size) // cache.block_size, block_ids)
+        return _chosen(units, self._layout(cache).per_unit, block_ids)
 
     # --- helpers --------------------------------------------------------------------------
 
