@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.cases import paged_pools  # noqa: E402
 from bench.common import (MATMUL_FLOPS, Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
                           print_report, record, strided_flops, time_ms, write_json)
 from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
@@ -100,19 +101,6 @@ def structured_qkv(length: int, sz: Sizes, dtype=jnp.bfloat16, seed: int = 0):
     q = jnp.repeat(data.q, sz.q_heads // sz.kv_heads, axis=1)
     v = jax.random.normal(jax.random.PRNGKey(seed + 1), data.k.shape, jnp.float32)
     return q.astype(dtype), data.k.astype(dtype), v.astype(dtype)
-
-
-def paged_cache(k: jax.Array, v: jax.Array, page_size: int, seed: int = 0):
-    """k, v `[1, Hkv, L, D]` as page pools `[L / page_size + 1, page_size, Hkv, D]` in a
-    shuffled order (one spare page) and their block table int32 `[1, L / page_size]`."""
-    pages = k.shape[2] // page_size
-    table = np.random.default_rng(seed).permutation(pages + 1)[:pages]
-
-    def pool(x):
-        x = x.reshape(x.shape[1], pages, page_size, -1).transpose(1, 2, 0, 3)
-        return jnp.zeros((pages + 1,) + x.shape[1:], x.dtype).at[table].set(x)
-
-    return pool(k), pool(v), jnp.asarray(table[None], jnp.int32)
 
 
 def causal_mask(length: int, sz: Sizes, density: float, seed: int = 0) -> jax.Array:
@@ -190,7 +178,7 @@ def run_case(name: str, sz: Sizes, impl: str, threshold: float = THRESHOLD) -> d
         table, page_size = None, None
         if case.page is not None:
             page_size = max(sz.block, case.page * length // 65536)
-            k, v, table = paged_cache(k, v, page_size)
+            k, v, table = paged_pools(np.random.default_rng(0), page_size, k, v)
             extra["page_size"] = page_size
 
         def fn(q, k, v, mask, table):

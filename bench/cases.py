@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.common import strided_flops
 from xattn_jax.geometry import Geometry
@@ -89,3 +90,21 @@ ESTIMATE = {  # bench.estimate: xattn_estimate, Lq = Lk
 CHUNK = {f"chunk4096-ctx{n}": _h200(f"chunk4096-ctx{n}", 8, 4096, length, 1024, False)
          for length, n in ((16384, "16k"), (32768, "32k"), (65536, "64k"),
                            (131072, "128k"))}
+
+
+def paged_pools(rng: np.random.Generator, page_size: int, *caches: jax.Array,
+                spare_pages: int = 1, spare=0.0):
+    """Contiguous caches `[B, H, L, last]` (L a multiple of page_size; their last
+    dimensions may differ) as page pools `[B L / page_size + spare_pages, page_size, H,
+    last]` sharing one block table int32 `[B, L / page_size]` drawn from `rng` (pages in a
+    shuffled order); the spare pages hold `spare`. Returns (*pools, table)."""
+    b, h, length = caches[0].shape[:3]
+    per_seq = length // page_size
+    pool_size = b * per_seq + spare_pages
+    table = rng.permutation(pool_size)[:b * per_seq].reshape(b, per_seq)
+    pools = []
+    for x in caches:
+        pages = x.reshape(b, h, per_seq, page_size, -1).transpose(0, 2, 3, 1, 4)
+        pool = jnp.full((pool_size,) + pages.shape[2:], spare, x.dtype)
+        pools.append(pool.at[table.reshape(-1)].set(pages.reshape(-1, *pages.shape[2:])))
+    return (*pools, jnp.asarray(table, jnp.int32))

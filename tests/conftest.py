@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.cases import paged_pools  # noqa: E402
 from xattn_jax import impls, reference  # noqa: E402
 from xattn_jax.geometry import Geometry, next_pow2  # noqa: E402
 from xattn_jax.triton.block_sums import block_sums as triton_block_sums  # noqa: E402
@@ -81,21 +82,9 @@ class Rand:
     def thresholds(self, heads: int, low: float = 0.3, high: float = 0.98) -> jax.Array:
         return jnp.asarray(self.rng.uniform(low, high, heads), jnp.float32)
 
-    def paged(self, page_size: int, *caches, spare_pages: int = 3):
-        """Contiguous caches `[B, H, L, last]` (L a multiple of page_size; their last
-        dimensions may differ) as page pools `[P, page_size, H, last]` sharing one shuffled
-        block table int32 `[B, L // page_size]`; the pool's spare pages hold NaN.
-        Returns (*pools, table)."""
-        b, h, length = caches[0].shape[:3]
-        per_seq = length // page_size
-        pool_size = b * per_seq + spare_pages
-        table = self.rng.permutation(pool_size)[:b * per_seq].reshape(b, per_seq)
-        pools = []
-        for x in caches:
-            pages = x.reshape(b, h, per_seq, page_size, -1).transpose(0, 2, 3, 1, 4)
-            pool = jnp.full((pool_size,) + pages.shape[2:], jnp.nan, x.dtype)
-            pools.append(pool.at[table.reshape(-1)].set(pages.reshape(-1, *pages.shape[2:])))
-        return (*pools, jnp.asarray(table, jnp.int32))
+    def paged(self, page_size: int, *caches):
+        """`bench.cases.paged_pools` with this generator, 3 spare pages holding NaN."""
+        return paged_pools(self.rng, page_size, *caches, spare_pages=3, spare=jnp.nan)
 
 
 def new_seed() -> int:
