@@ -184,23 +184,25 @@ def test_paged_errors(pages, table, match, seed):
 
 
 @pytest.mark.parametrize("kernel", BLOCK_SUM_KERNELS)
-@pytest.mark.parametrize("page_size", [None, 16, 256], ids=["buffer", "paged16", "paged256"])
+@pytest.mark.parametrize("page_size", [None, 4, 16, 256],
+                         ids=["buffer", "paged4", "paged16", "paged256"])
 def test_both_kernels_read_key_len_and_pages(kernel, page_size, seed):
     """Each block-sum kernel, on a buffer padded past k_len (NaN there) or on a shuffled
     page pool read through a block table (whose entries past k_len's pages lie outside
     the pool), equals the reference on the k_len real keys. Key tiles of 16 columns (128
-    tokens): pages of 16 tokens are read a table entry per token, pages of 256 one entry
-    per tile (`load_paged_tokens(one_page=True)`)."""
+    tokens) read the table (`common.tile_pages`): with pages of 256 or 16 tokens one
+    entry per column (a stride group) per tile, of 4 one per token. One-pass programs of
+    3 key tiles read each tile's table entries a tile ahead, the last one past the table."""
     rng, q, k = _chunk(seed, q_len=96, capacity=512)
     k_len = 333
     k = k.at[:, :, k_len:].set(jnp.nan)
     geom = check_qk(q, k, stride=8, block_size=64, causal=False)
     want = reference.block_sums(q, k, geom, causal=False, norm=1.0, key_len=jnp.int32(k_len))
     plan = plan_block_sums(geom, q.dtype, False, interpret=not ON_GPU, kernel=kernel,
-                           tiles=Tiles(16, 16))
+                           tiles=Tiles(16, 16, span=3))
     args = dict(plan=plan, causal=False, norm=1.0, key_len=jnp.full((1,), k_len, jnp.int32))
     if page_size is not None:
-        assert (page_size % (plan.block_k * geom.stride) == 0) == (page_size == 256)
+        assert (page_size % geom.stride == 0) == (page_size != 4)
         pool_size = 512 // page_size + 4
         table = rng.permutation(pool_size)[:512 // page_size]
         pool = np.full((pool_size, page_size, 2, 16), np.nan, np.float32)

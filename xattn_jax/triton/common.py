@@ -104,27 +104,44 @@ def load_tokens(ref, tokens: jax.Array, length, head_dim: int, part=0,
     return _load(ref.at[(*lead, rows[:, None], cols)], mask)
 
 
+def tile_pages(table_ref, pages_ref, col0, cols: int, stride: int):
+    """The pages holding key columns [col0, col0 + cols) of one sequence (reshaped
+    columns of S tokens), read from its block table once per key tile, for
+    `load_paged_tokens`: int32 `[cols]`, column j's page, where every column lies in one
+    page (pages of whole stride groups); None otherwise (`load_paged_tokens` then reads
+    an entry per token).
+
+    pages_ref: `[num_pages, page_size, Hkv, D]`; table_ref: int32 `[pages_per_seq]`, token
+    t in page table[t // page_size] at row t % page_size. Entries past the table read its
+    last one, and page numbers are clamped into the cache: tiles or entries past the
+    sequence's pages may hold anything, and their loads are masked or their columns
+    unseen. A vector even where a whole tile lies in one page: Triton pipelines this
+    load, where a scalar read of the tile's one entry cost a 64K-token call 22% more than
+    reading an entry per token (tuning.md, note 27).
+    """
+    num_pages, page_size = pages_ref.shape[:2]
+    if page_size % stride:
+        return None
+    entries = jnp.minimum((col0 + jnp.arange(cols)) * stride // page_size,
+                          table_ref.shape[0] - 1)
+    return jnp.clip(plgpu.load(table_ref.at[entries]), 0, num_pages - 1)
+
+
 def load_paged_tokens(pages_ref, table_ref, kv_head, tokens: jax.Array, length,
                       head_dim: int, part=0, depth: int | None = None,
-                      one_page: bool = False) -> jax.Array:
+                      pages: jax.Array | None = None) -> jax.Array:
     """Token rows of one sequence in a paged cache, as `[n, depth]`, like `load_tokens`.
 
-    pages_ref: `[num_pages, page_size, Hkv, D]`; table_ref: int32 `[pages_per_seq]`, the
-    sequence's pages in order (token t lives in page table[t // page_size] at row
-    t % page_size); kv_head: the key head to read. Page numbers are clamped into the
-    cache: an id outside [0, num_pages) reads page 0 or the last page (with length None,
-    table entries past the sequence's pages may hold anything). one_page: the caller
-    knows that every token lies in the page of the first (pages of whole key tiles):
-    one table entry is read instead of one per token.
+    pages_ref, table_ref: as `tile_pages`; kv_head: the key head to read. pages: the
+    key tile's pages from `tile_pages` (tokens: a pipeline step's, one per column of that
+    tile); None: one table entry read per token. Reading the table once per tile rather
+    than at every step keeps a dependent load off each step's critical path.
     """
     num_pages, page_size = pages_ref.shape[:2]
     cols, col_mask = _head_columns(head_dim, part, depth)
     mask, slots = _row_mask(tokens, length, col_mask)
-    if one_page:
-        page = jnp.clip(plgpu.load(table_ref.at[jnp.min(slots) // page_size]), 0,
-                        num_pages - 1)
-        return _load(pages_ref.at[page, (slots % page_size)[:, None], kv_head, cols], mask)
-    pages = jnp.clip(plgpu.load(table_ref.at[slots // page_size]), 0, num_pages - 1)
+    if pages is None:
+        pages = jnp.clip(plgpu.load(table_ref.at[slots // page_size]), 0, num_pages - 1)
     return _load(pages_ref.at[pages[:, None], (slots % page_size)[:, None], kv_head, cols],
                  mask)
 

@@ -68,21 +68,30 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: floa
             store(col_tile, m, x, x.sum(axis=1))
 
     # One loop over (key tile, step) pairs: Triton pipelines the loads across key tiles
-    # (measured 2-12% faster than a loop over tiles around `score_tile`'s loop).
+    # (measured 2-12% faster than a loop over tiles around `score_tile`'s loop). A paged
+    # cache's table is read once per tile, a tile ahead: `pages` and `next_pages` are the
+    # pages of the tile the step is in and of the one after (None for a contiguous k).
     steps = tile.steps
 
-    def step(i, product):
+    def step(i, carry):
+        product, pages, next_pages = carry
         # lax.div/rem: i >= 0, and jnp's floor division lowers to i1 selects on GPU
         col_tile, j = first + jax.lax.div(i, steps), jax.lax.rem(i, steps)
-        product = product + tile.step_product(col_tile, j)
+        pages, next_pages = jax.lax.cond(
+            j == 0, lambda: (next_pages, tile.tile_pages(col_tile + 1)),
+            lambda: (pages, next_pages))
+        product = product + tile.step_product(col_tile, j, pages)
 
         def last_step(product):
             tile_stats(col_tile, tile.finish(product, col_tile))
             return jnp.zeros_like(product)
 
-        return jax.lax.cond(j == steps - 1, last_step, lambda p: p, product)
+        product = jax.lax.cond(j == steps - 1, last_step, lambda p: p, product)
+        return product, pages, next_pages
 
-    jax.lax.fori_loop(0, seen * steps, step, jnp.zeros((rows, plan.block_k), jnp.float32))
+    first_pages = tile.tile_pages(first)
+    jax.lax.fori_loop(0, seen * steps, step,
+                      (jnp.zeros((rows, plan.block_k), jnp.float32), first_pages, first_pages))
 
     def unseen(i, carry):  # loops from 0: a traced lower bound trips jax 0.11.2
         zeros = jnp.zeros((rows,) if per_tile == 1 else (rows, per_tile), jnp.float32)

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from xattn_jax.row_statistics import LOG2_E
 from xattn_jax.triton.common import (BATCH_AXIS, HEAD_AXIS, ROW_AXIS, batch_spec,
                                      load_paged_tokens, load_tokens, score_tile,
-                                     step_product, whole_spec)
+                                     step_product, tile_pages, whole_spec)
 from xattn_jax.triton.plan import Plan
 
 
@@ -61,13 +61,13 @@ class RowTile:
         if table_ref is None:
             key_loader = functools.partial(load_tokens, k_ref, head_dim=geom.head_dim,
                                            lead=(batch, kv_head))
+            self._table = None
         else:
-            # a step's keys span block_k * S tokens from a multiple of that
-            one_page = k_ref.shape[1] % (cols * s) == 0
             key_loader = functools.partial(load_paged_tokens, k_ref, table_ref, kv_head,
-                                           head_dim=geom.head_dim, one_page=one_page)
+                                           head_dim=geom.head_dim)
+            self._table = table_ref, k_ref
         unmasked = whole_groups and plan.keys_fit
-        self.load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
+        self._load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
         if causal:
             last_row = jnp.minimum(self.row0 + rows, geom.q_rows) - 1
             last_col = jnp.minimum(last_row + geom.row_offset, self.k_cols - 1)
@@ -87,17 +87,32 @@ class RowTile:
         """Pipeline steps per key tile (`strided_scores.step_product`)."""
         return self.geom.stride * self.plan.head_parts
 
+    def tile_pages(self, col_tile):
+        """A paged cache's pages of key tile `col_tile` (`common.tile_pages`: one table
+        read per tile), for `step_product`; None for a contiguous k."""
+        if self._table is None:
+            return None
+        return tile_pages(*self._table, col_tile * self.plan.block_k, self.plan.block_k,
+                          self.geom.stride)
+
+    def _keys(self, pages):
+        """The key loader of a key tile whose pages are `pages` (`tile_pages`)."""
+        if pages is None:
+            return self._load_keys
+        return functools.partial(self._load_keys, pages=pages)
+
     def scores(self, col_tile) -> jax.Array:
         """float32 `[rows, cols]`: A * log2(e) of key tile `col_tile`, -inf where a row may
         not see a column (past the real keys, or after the diagonal)."""
-        a = score_tile(self.load_queries, self.load_keys, self.row0,
+        a = score_tile(self.load_queries, self._keys(self.tile_pages(col_tile)), self.row0,
                        col_tile * self.plan.block_k, plan=self.plan, scale=self._scale)
         return self._mask(a, col_tile)
 
-    def step_product(self, col_tile, step) -> jax.Array:
-        """Step `step`'s share of key tile `col_tile`'s product, unscaled; `finish` turns
-        the sum over all `steps` into `scores(col_tile)`."""
-        return step_product(self.load_queries, self.load_keys, self.row0,
+    def step_product(self, col_tile, step, pages) -> jax.Array:
+        """Step `step`'s share of key tile `col_tile`'s product, unscaled, its pages
+        `pages` (`tile_pages`); `finish` turns the sum over all `steps` into
+        `scores(col_tile)`."""
+        return step_product(self.load_queries, self._keys(pages), self.row0,
                             col_tile * self.plan.block_k, step, plan=self.plan)
 
     def finish(self, product: jax.Array, col_tile) -> jax.Array:
