@@ -71,12 +71,11 @@ class EstimatePlan(UnitSums):
     """Tiles of one call. Hashable: a static jit argument.
 
     block_k: reshaped key columns per key tile; block_d: head-dim columns per pipeline
-    step; stages: key chunks of `block_k x block_d` in flight (the ring's slots);
-    cluster: CTAs of consecutive row tiles sharing the key chunks; leave_out: None, or
-    a stage of LEAVE_OUT that the kernel skips (timing only); queries: the layout of
-    the queries, one of QUERY_LAYOUTS. The stages are the ring's slots: key chunks
-    `[block_k, block_d]`, with the streamed queries each with its query chunk
-    `[rows, block_d]`.
+    step; stages: the ring's slots, each a key chunk `[block_k, block_d]` (with the
+    streamed queries, and a query chunk `[rows, block_d]`); cluster: CTAs of
+    consecutive row tiles sharing the key chunks; leave_out: None, or a stage of
+    LEAVE_OUT that the kernel skips (timing only); queries: the layout of the queries,
+    one of QUERY_LAYOUTS.
     """
 
     geom: Geometry
