@@ -96,6 +96,8 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="tiled")
     with pytest.raises(ValueError, match="cluster must be 1 with queries='streamed'"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=2, queries="streamed")
+    with pytest.raises(ValueError, match="stagger needs queries='streamed'"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True)
 
 
 @pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 6), (256, 4)])
@@ -116,6 +118,12 @@ def test_streamed_plan_rows_and_ring(block_k, stages):
     deeper = estimate_plan.EstimatePlan(geom, block_k, 64, stages + 1, queries="streamed")
     assert (deeper.smem_bytes(2) > estimate_plan.SMEM_BYTES
             or stages == estimate_plan.MAX_STAGES)
+    # staggered: one barrier more; consumer 1 half a tile (16 steps) late, or as late as
+    # the ring allows
+    staggered = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
+                                            queries="streamed", stagger=True)
+    assert staggered.smem_bytes(2) == plan.smem_bytes(2) + 8
+    assert (plan.lag_steps, staggered.lag_steps) == (0, min(8, stages - 1))
 
 
 def test_shared_memory_is_counted_as_mosaic_gpu_does():
@@ -182,6 +190,7 @@ LOWERING_CASES += [(shape, causal, {**options, "queries": "streamed"})
 LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepest ring
     ((1, 8, 2, 2048, 2048, 128, 16, 128), True, {"queries": "streamed"}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": True}),
 ]
 
 
@@ -229,7 +238,8 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # odd number of real row tiles; causal: the cluster's first CTA walks a tile it does not
 # see; a cluster of four), float16. Streamed queries (128 rows per CTA): causal, where
 # consumer 0 computes a tile none of its rows sees; odd lengths, the row tile's second
-# half padding; D 128 with a ring of 2 slots and Lq < Lk; block_k 128 and 256, float16.
+# half padding; D 128 with a ring of 2 slots and Lq < Lk; block_k 128 and 256, float16;
+# staggered consumers (a lag of one step; of stages - 1 = 2, less than half a tile).
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
@@ -246,6 +256,10 @@ INTERPRET_CASES = [
     (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128, "queries": "streamed"}),
     (1, 2, 1, 300, 1100, 64, 2, 64, False, 1.0,
      {"block_k": 256, "queries": "streamed", "dtype": jnp.float16}),
+    (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "stagger": True}),
+    (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
+     {"block_k": 64, "stages": 3, "queries": "streamed", "stagger": True}),
 ]
 
 
@@ -307,6 +321,9 @@ GPU_CASES = [
     (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {"queries": "streamed"}),
     (1, 4, 1, 777, 777, 128, 8, 128, True, {"queries": "streamed", "block_k": 256}),
     (1, 8, 2, 2048, 2048, 128, 16, 128, True, {"queries": "streamed"}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "streamed", "stagger": True}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False,
+     {"queries": "streamed", "block_k": 256, "stagger": True}),
 ]
 
 

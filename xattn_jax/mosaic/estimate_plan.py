@@ -21,7 +21,9 @@ per key tile):
   holds the query chunk `[128, block_d]` and the key chunk `[block_k, block_d]` of one
   step, and consumer w multiplies rows 64w .. 64w + 63 of it (GEMM style: every key byte
   written to shared memory serves 128 rows, and the ring gets the room the resident
-  queries took). Both consumers compute every key tile; no clusters.
+  queries took). Both consumers compute every key tile; no clusters. With `stagger`
+  (a variant to be measured), consumer 1 starts `lag_steps` steps after consumer 0, so
+  that each one's statistics may overlap the other's products.
 
 Tuned values are first guesses, to be measured on the H200 with
 `python -m bench.mosaic_estimate_check`.
@@ -75,7 +77,8 @@ class EstimatePlan(UnitSums):
     streamed queries, and a query chunk `[rows, block_d]`); cluster: CTAs of
     consecutive row tiles sharing the key chunks; leave_out: None, or a stage of
     LEAVE_OUT that the kernel skips (timing only); queries: the layout of the queries,
-    one of QUERY_LAYOUTS.
+    one of QUERY_LAYOUTS; stagger (streamed queries only): consumer 1 starts
+    `lag_steps` steps late.
     """
 
     geom: Geometry
@@ -85,6 +88,7 @@ class EstimatePlan(UnitSums):
     cluster: int = CLUSTER
     leave_out: str | None = None
     queries: str = QUERIES
+    stagger: bool = False
 
     @property
     def rows(self) -> int:
@@ -124,17 +128,27 @@ class EstimatePlan(UnitSums):
         of `tile_stats.tile_stats`: the queries (resident: all of them; streamed: a ring
         of query chunks), the key ring, one statistics buffer per consumer, and the
         barriers (resident: queries ready, per consumer and slot a chunk ready, per slot
-        the slot free; streamed: per slot, the slot ready and the slot free)."""
+        the slot free; streamed: per slot, the slot ready and the slot free, and with
+        `stagger` consumer 1's start)."""
         geom = self.geom
         keys = self.stages * self.block_k * self.block_d * itemsize
         stats = CONSUMERS * self.stat_planes * WGMMA_ROWS * STAT_BYTES
         if self.queries == "streamed":
             queries = self.stages * self.rows * self.block_d * itemsize
-            barriers = 2 * self.stages
+            barriers = 2 * self.stages + self.stagger
         else:
             queries = self.rows * geom.stride * geom.head_dim * itemsize
             barriers = 1 + CONSUMERS * self.stages + self.stages
         return smem_bytes([queries, keys, stats], barriers=barriers)
+
+    @property
+    def lag_steps(self) -> int:
+        """Steps consumer 1 starts behind consumer 0 with `stagger` (else 0): half a tile,
+        at most stages - 1 (consumer 0 gets no further ahead before consumer 1 releases
+        a slot), at least 1."""
+        if not self.stagger:
+            return 0
+        return max(1, min(self.steps_per_tile // 2, self.stages - 1))
 
     @property
     def scratch_bytes(self) -> int:
@@ -182,13 +196,15 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
 
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   stages: int | None = None, cluster: int | None = None,
-                  leave_out: str | None = None, queries: str | None = None) -> EstimatePlan:
+                  leave_out: str | None = None, queries: str | None = None,
+                  stagger: bool = False) -> EstimatePlan:
     """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages,
     cluster (in CLUSTERS; the streamed queries take 1 only) and queries (in
     QUERY_LAYOUTS) override the defaults (tuning runs); the default stages are the most
     that fit in shared memory, at most MAX_STAGES. leave_out: a timing variant
-    (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
-    (`unsupported_reason`) and overrides that do not fit."""
+    (LEAVE_OUT); stagger: the staggered consumers (streamed queries only). Raises
+    ValueError for arguments the kernel does not take (`unsupported_reason`) and
+    overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     reason = unsupported_reason(geom, dtype, queries=queries)
     if reason is not None:
@@ -201,6 +217,9 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if cluster > 1 and queries == "streamed":
         raise ValueError(f"cluster must be 1 with queries='streamed' (no multicast of the "
                          f"query and key chunks); got {cluster}")
+    if stagger and queries != "streamed":
+        raise ValueError("stagger needs queries='streamed' (the resident queries' "
+                         f"consumers take the key tiles in turns); got {queries!r}")
     block_k = BLOCK_K if block_k is None else block_k
     if block_k % 64 or not 64 <= block_k <= MAX_BLOCK_K:
         raise ValueError(f"block_k must be a multiple of 64 in [64, {MAX_BLOCK_K}]; got "
@@ -208,12 +227,13 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     itemsize = jnp.dtype(dtype).itemsize
     if stages is None:
         fits = [n for n in range(MIN_STAGES, MAX_STAGES + 1)
-                if EstimatePlan(geom, block_k, BLOCK_D, n, cluster,
-                                queries=queries).smem_bytes(itemsize) <= SMEM_BYTES]
+                if EstimatePlan(geom, block_k, BLOCK_D, n, cluster, queries=queries,
+                                stagger=stagger).smem_bytes(itemsize) <= SMEM_BYTES]
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
-    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries)
+    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
+                        bool(stagger))
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "

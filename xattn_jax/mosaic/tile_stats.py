@@ -26,7 +26,9 @@ consumers reading it released it. Two layouts of the queries (`plan.queries`):
   step, both copies arriving on the slot's one ready barrier; both consumers compute
   every key tile, each multiplying its 64 rows of the query chunk, and both release the
   slot (its free barrier counts two arrivals). Both reach their statistics together,
-  which the tensor cores wait for while the ring fills.
+  which the tensor cores wait for while the ring fills; with `plan.stagger`, consumer 1
+  waits until consumer 0 has issued `plan.lag_steps` steps of its first tile (a barrier
+  arrived on once), and the shared ring keeps it at most `stages` steps behind.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
 wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
@@ -73,10 +75,11 @@ CLUSTER_AXIS = "cluster"
 
 
 def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready,
-                 free, *, plan: EstimatePlan, causal: bool, scale: float):
+                 free, lead, *, plan: EstimatePlan, causal: bool, scale: float):
     """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D], stats float32
     [B, Hq, key_tiles, stat_planes, padded_rows]; scratch as `_scratch_types` makes it
-    (q_ready None with the streamed queries); scale: A' = product x scale."""
+    (q_ready None with the streamed queries, lead None without stagger); scale:
+    A' = product x scale."""
     geom = plan.geom
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
@@ -105,6 +108,10 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
         out = stats_smem.at[wg]
         if not streamed:
             plgpu.barrier_wait(q_ready)
+        if plan.stagger:
+            @pl.when((wg == 1) & (num_tiles > 0))
+            def _():
+                plgpu.barrier_wait(lead)
 
         def queries(step, slot):
             """The wgmma's left operand `[64, block_d]` of this step."""
@@ -124,6 +131,10 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                     if multiply:
                         plgpu.wgmma(acc_ref, queries(step, slot),
                                     k_smem.at[slot].transpose((1, 0)))
+                    if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
+                        @pl.when((wg == 0) & (tile == 0))
+                        def _():
+                            plgpu.barrier_arrive(lead)
                     if step:  # the step before has finished reading its slot
                         if multiply:
                             plgpu.wgmma_wait(1)
@@ -218,7 +229,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
     """The kernel's scratch (`EstimatePlan.smem_bytes` counts it): queries (resident:
     `[S x head_parts, 64, block_d]`; streamed: a ring `[stages, 128, block_d]`), the key
     ring `[stages, block_k, block_d]`, statistics `[CONSUMERS, stat_planes, 64]` float32,
-    and the barriers q_ready (resident only), ready and free."""
+    and the barriers q_ready (resident only), ready, free and lead (stagger only)."""
     transforms = _tile_transforms(dtype)
     keys = plgpu.SMEM((plan.stages, plan.block_k, plan.block_d), dtype,
                       transforms=transforms)
@@ -232,6 +243,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
             plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
             # free: both consumers are done with the slot
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=plan.stages),
+            plgpu.Barrier() if plan.stagger else None,  # lead: consumer 1 may start
         )
     chunks = plan.geom.stride * plan.head_parts
     return (
@@ -242,6 +254,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
         # free: a slot is refilled once its consumer in every CTA of the cluster is done
         plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_barriers=plan.stages)
         if plan.cluster > 1 else plgpu.Barrier(num_barriers=plan.stages),
+        None,  # lead
     )
 
 
