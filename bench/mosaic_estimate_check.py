@@ -1,15 +1,16 @@
 """GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums), one run.
 
     python -m bench.mosaic_estimate_check [--queries resident,streamed]
-        [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--cases causal-32k,...]
-        [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
+        [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger]
+        [--cases causal-32k,...] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
 A whole run may take more than 10 minutes (compilations: every case and variant is a
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
 (--queries / --block-k / --stages / --cluster: plan variants, each a comma-separated
-list, checked and timed in every combination (`estimate_plan.estimate_plan`; a
-combination the plan refuses at causal-64k, e.g. a cluster with the streamed queries,
+list, checked and timed in every combination, and with --stagger each combination with
+staggered consumers too (`estimate_plan.estimate_plan`; a combination the plan refuses
+at causal-64k, e.g. a cluster or stagger with the resident queries,
 prints its error once and is dropped); the default plan always runs first, and is not
 repeated as a variant. Default --queries resident,streamed: both layouts of the queries
 run (`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of
@@ -266,16 +267,16 @@ def _ints(text: str | None) -> list[int | None]:
 
 # The value each variant option takes in the default plan (stages: the most that fit)
 DEFAULT_OPTIONS = {"block_k": estimate_plan.BLOCK_K, "cluster": estimate_plan.CLUSTER,
-                   "queries": estimate_plan.QUERIES}
+                   "queries": estimate_plan.QUERIES, "stagger": False}
+VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger")
 
 
-def plan_variants(layouts, block_k, stages, cluster) -> list[dict]:
+def plan_variants(layouts, block_k, stages, cluster, stagger=(None,)) -> list[dict]:
     """Every combination of the given values as plan options, without the options the
     default plan has anyway, each once, the default plan itself left out."""
     variants = []
-    for values in itertools.product(layouts, block_k, stages, cluster):
-        options = {key: value
-                   for key, value in zip(("queries", "block_k", "stages", "cluster"), values)
+    for values in itertools.product(layouts, block_k, stages, cluster, stagger):
+        options = {key: value for key, value in zip(VARIANT_KEYS, values)
                    if value is not None and DEFAULT_OPTIONS.get(key) != value}
         if options and options not in variants:
             variants.append(options)
@@ -291,6 +292,8 @@ def main() -> None:
     parser.add_argument("--stages", help="comma-separated stages values to try")
     parser.add_argument("--cluster", default="1,2,4",
                         help="comma-separated cluster sizes to try (default 1,2,4)")
+    parser.add_argument("--stagger", action="store_true",
+                        help="also every combination with staggered consumers")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -312,9 +315,9 @@ def main() -> None:
     # The default plan first, then each other layout's default plan: every check case,
     # and the timing leaving stages out too; then the other variants.
     layouts = [{}] + plan_variants(queries, [None], [None], [None])
-    variants = [options for options in plan_variants(queries, _ints(args.block_k),
-                                                     _ints(args.stages), _ints(args.cluster))
-                if options not in layouts]
+    variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
+                             _ints(args.cluster), (None, True) if args.stagger else (None,))
+    variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "
           f"mosaic.available() = {mosaic.available()!r}", flush=True)
