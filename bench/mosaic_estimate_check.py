@@ -10,19 +10,19 @@ new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 (--queries / --block-k / --stages / --cluster: plan variants, each a comma-separated
 list, checked and timed in every combination, and with --stagger each combination with
 staggered consumers too (`estimate_plan.estimate_plan`; a combination the plan refuses
-at causal-64k, e.g. a cluster or stagger with the resident queries,
-prints its error once and is dropped); the default plan always runs first, and is not
-repeated as a variant. Default --queries resident,streamed: both layouts of the queries
-run (`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of
-the resident layout run. Every line and table row names the plan's layout. --ptxas:
-Mosaic GPU prints ptxas' report of each kernel: registers, spills.)
+at causal-64k, e.g. a cluster or stagger with the resident queries, prints its error
+once and is dropped); the default plan always runs first, and is not repeated as a
+variant. Default --queries resident,streamed: both layouts of the queries run
+(`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of the
+resident layout run. Every line and table row names the plan's layout. --ptxas: Mosaic
+GPU prints ptxas' report of each kernel: registers, spills.)
 
 1. Smoke: the first check case, with the default plan and with each variant, each in a
    subprocess with a time limit, so that a kernel that hangs (a barrier protocol error)
    is reported as such instead of stalling the run; variants that hang are dropped.
-2. Correctness, bf16, D 128, stride 8, GQA 32:8, fresh random inputs per case, every
-   case with the default plan of each layout, the other variants on the first two: against
-   the plain-JAX reference (run one KV group of heads at a time, so that 64K fits) and
+2. Correctness, bf16, D 128, stride 8, GQA 32:8, fresh random inputs per case (every
+   case with the default plan of each layout, the other variants on the first two):
+   against the plain-JAX reference (run one KV group of heads at a time, so that 64K fits) and
    the Triton kernel: relative error (max |diff| / max |reference|, bound 5e-5 as the GPU
    tests), NaNs, rows summing to their real reshaped rows, causal blocks after the
    diagonal exactly 0, a bit-identical rerun. The kernel's statistics buffer is not
