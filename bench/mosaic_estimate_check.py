@@ -1,23 +1,28 @@
 """GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums), one run.
 
-    python -m bench.mosaic_estimate_check [--block-k 128,64] [--stages 5,3]
-        [--cluster 1,2,4] [--cases causal-32k,...] [--skip-check] [--skip-time]
-        [--no-smoke] [--ptxas]
+    python -m bench.mosaic_estimate_check [--queries resident,streamed]
+        [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger]
+        [--cases causal-32k,...] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
 A whole run may take more than 10 minutes (compilations: every case and variant is a
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
-(--block-k / --stages / --cluster: plan variants, each a comma-separated list, checked
-and timed in every combination (`estimate_plan.estimate_plan`; one that does not fit
-prints its error); the default plan always runs first, and is not repeated as a
-variant. Default --cluster 1,2,4: the multicast variants run. --ptxas: Mosaic GPU
-prints ptxas' report of each kernel: registers, spills.)
+(--queries / --block-k / --stages / --cluster: plan variants, each a comma-separated
+list, checked and timed in every combination, and with --stagger each combination with
+staggered consumers too (`estimate_plan.estimate_plan`; a combination the plan refuses
+at causal-64k, e.g. a cluster or stagger with the resident queries, prints its error
+once and is dropped); the default plan always runs first, and is not repeated as a
+variant. Default --queries resident,streamed: both layouts of the queries run
+(`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of the
+resident layout run. Every line and table row names the plan's layout. --ptxas: Mosaic
+GPU prints ptxas' report of each kernel: registers, spills.)
 
 1. Smoke: the first check case, with the default plan and with each variant, each in a
    subprocess with a time limit, so that a kernel that hangs (a barrier protocol error)
    is reported as such instead of stalling the run; variants that hang are dropped.
-2. Correctness, bf16, D 128, stride 8, GQA 32:8, fresh random inputs per case: against
-   the plain-JAX reference (run one KV group of heads at a time, so that 64K fits) and
+2. Correctness, bf16, D 128, stride 8, GQA 32:8, fresh random inputs per case (every
+   case with the default plan of each layout, the other variants on the first two):
+   against the plain-JAX reference (run one KV group of heads at a time, so that 64K fits) and
    the Triton kernel: relative error (max |diff| / max |reference|, bound 5e-5 as the GPU
    tests), NaNs, rows summing to their real reshaped rows, causal blocks after the
    diagonal exactly 0, a bit-identical rerun. The kernel's statistics buffer is not
@@ -28,7 +33,7 @@ prints ptxas' report of each kernel: registers, spills.)
    sums (sections 1-3) of Mosaic and of Triton (`impl="triton"`'s plan) at the
    `bench.cases.ESTIMATE` shapes causal-32k, causal-64k, noncausal-64k-b128 (MHA 32:32)
    and gqa-64k-causal, plus the Mosaic kernel alone (statistics, no XLA epilogue) for
-   the default plan, each variant, and the default plan leaving one stage out
+   the default plan, each variant, and each layout's default plan leaving one stage out
    (`estimate_plan.LEAVE_OUT`: the products, or the statistics past the row maxima).
    TFLOP/s on the visible strided product; a table last.
 """
@@ -104,6 +109,12 @@ def triton_sums(geom: Geometry, causal: bool):
     return jax.jit(functools.partial(triton.block_sums, geom=geom, causal=causal, norm=1.0))
 
 
+def label(options: dict) -> str:
+    """A plan variant as printed: its layout of the queries, then its other options."""
+    rest = {key: value for key, value in options.items() if key != "queries"}
+    return f"{options.get('queries', estimate_plan.QUERIES)} {rest or 'default'}"
+
+
 def mosaic_sums(geom: Geometry, causal: bool, **plan_options):
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **plan_options)
     return plan, functools.partial(mosaic_block_sums.block_sums, plan=plan, causal=causal,
@@ -140,28 +151,26 @@ def check_case(name, seed, shape, causal, **plan_options) -> bool:
     zeros = not causal or bool(np.all(got[..., after] == 0))
     nans = int(np.isnan(got).sum())
     ok = err <= RTOL and nans == 0 and rows_err <= RTOL and zeros and identical
-    print(f"{'PASS' if ok else 'FAIL'} {name} {plan_options or ''}: rel err vs reference "
+    print(f"{'PASS' if ok else 'FAIL'} {name} [{label(plan_options)}]: rel err vs reference "
           f"{err:.2e}, vs triton {triton_err:.2e}, row sums rel err {rows_err:.2e}, NaN "
           f"{nans}, causal zeros {zeros}, rerun identical {identical}, first call "
-          f"{first_s:.1f}s (stages {plan.stages}, block_k {plan.block_k}, smem "
+          f"{first_s:.1f}s ({plan.queries} queries, {plan.rows} rows per CTA, stages "
+          f"{plan.stages}, block_k {plan.block_k}, smem "
           f"{plan.smem_bytes(2)}, scratch {plan.scratch_bytes / 2**20:.0f} MiB)", flush=True)
     return ok
 
 
-def run_checks(variants) -> None:
-    for name, seed, shape, causal in CHECK_CASES:
-        try:
-            check_case(name, seed, shape, causal)
-        except Exception:
-            print(f"ERROR {name}:", flush=True)
-            traceback.print_exc()
-            sys.stdout.flush()
-    for options in variants:  # each variant once, on a causal and a non-causal case
-        for name, seed, shape, causal in (CHECK_CASES[0], CHECK_CASES[1]):
+def run_checks(layouts, variants) -> None:
+    """Every case with each layout's default plan (`layouts`: plan options), each other
+    variant on a causal and a non-causal case."""
+    runs = [(options, CHECK_CASES, 0) for options in layouts]
+    runs += [(options, CHECK_CASES[:2], 100) for options in variants]
+    for options, cases, seed_offset in runs:
+        for name, seed, shape, causal in cases:
             try:
-                check_case(name, seed + 100, shape, causal, **options)
+                check_case(name, seed + seed_offset, shape, causal, **options)
             except Exception:
-                print(f"ERROR {name} {options}:", flush=True)
+                print(f"ERROR {name} [{label(options)}]:", flush=True)
                 traceback.print_exc()
                 sys.stdout.flush()
 
@@ -181,7 +190,9 @@ def _kernel_only(geom: Geometry, causal: bool, plan):
     return run, strided
 
 
-def run_timing(variants, cases=TIMED) -> None:
+def run_timing(layouts, variants, cases=TIMED) -> None:
+    """Times the plans of `layouts` (plan options: the default plan, each other layout's
+    default plan; also timed leaving stages out) and `variants`, and Triton."""
     rows = []
     for case in cases:
         shape = ESTIMATE[case]
@@ -195,9 +206,9 @@ def run_timing(variants, cases=TIMED) -> None:
             traceback.print_exc()
             continue
         timed = [("triton", lambda: triton_sums(geom, causal))]
-        timed += [(f"mosaic {options or 'default'}",
+        timed += [(f"mosaic {label(options)}",
                    functools.partial(lambda o: mosaic_sums(geom, causal, **o)[1], options))
-                  for options in [{}] + variants]
+                  for options in layouts + variants]
         for impl, make in timed:
             try:
                 ms = time_ms(make(), [(q, k)], warmup=3, reps=10)
@@ -207,29 +218,30 @@ def run_timing(variants, cases=TIMED) -> None:
                 print(f"ERROR timing {case} {impl}:", flush=True)
                 traceback.print_exc()
                 sys.stdout.flush()
-        leave_out = [{"leave_out": stage} for stage in estimate_plan.LEAVE_OUT]
-        for options in [{}] + variants + leave_out:
+        leave_out = [{**options, "leave_out": stage} for options in layouts
+                     for stage in estimate_plan.LEAVE_OUT]
+        for options in layouts + variants + leave_out:
             try:
                 plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
                 run, strided = _kernel_only(geom, causal, plan)
                 q5 = strided(q, plan.padded_rows * STRIDE)
                 k5 = strided(k, plan.padded_cols * STRIDE)
                 ms = time_ms(run, [(q5, k5)], warmup=3, reps=10)
-                rows.append((case, f"  kernel alone {options or 'default'}", ms,
+                rows.append((case, f"  kernel alone {label(options)}", ms,
                              flops / ms / 1e9, ms / floor))
                 del q5, k5
             except Exception:
-                print(f"ERROR timing {case} kernel alone {options}:", flush=True)
+                print(f"ERROR timing {case} kernel alone [{label(options)}]:", flush=True)
                 traceback.print_exc()
         del q, k
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}; block sums "
           "(sections 1-3), bf16, D 128, stride 8, Hq 32")
-    print(f"{'case':20s} {'impl':44s} {'ms':>8s} {'TFLOP/s':>8s} {'/floor':>7s} "
+    print(f"{'case':20s} {'impl':60s} {'ms':>8s} {'TFLOP/s':>8s} {'/floor':>7s} "
           f"{'vs triton':>9s}")
     triton_ms = {case: ms for case, impl, ms, _, _ in rows if impl == "triton"}
     for case, impl, ms, tflops, ratio in rows:
         speedup = f"{triton_ms[case] / ms:8.2f}x" if case in triton_ms else "      n/a"
-        print(f"{case:20s} {impl:44s} {ms:8.3f} {tflops:8.1f} {ratio:7.2f} {speedup}")
+        print(f"{case:20s} {impl:60s} {ms:8.3f} {tflops:8.1f} {ratio:7.2f} {speedup}")
     print("(TFLOP/s on the visible strided product; floor: bench.common.floor_ms; vs "
           "triton = triton ms / ms, > 1 is faster than Triton)", flush=True)
 
@@ -242,10 +254,10 @@ def smoke(options: dict) -> str:
     try:
         done = subprocess.run([sys.executable, "-c", code], timeout=SMOKE_LIMIT_S)
     except subprocess.TimeoutExpired:
-        print(f"SMOKE HANG {options or 'default'}: the first case did not finish in "
+        print(f"SMOKE HANG [{label(options)}]: the first case did not finish in "
               f"{SMOKE_LIMIT_S}s (barrier protocol deadlock?)", flush=True)
         return "hang"
-    print(f"smoke {options or 'default'}: exit code {done.returncode}", flush=True)
+    print(f"smoke [{label(options)}]: exit code {done.returncode}", flush=True)
     return "pass" if done.returncode == 0 else "fail"
 
 
@@ -253,12 +265,35 @@ def _ints(text: str | None) -> list[int | None]:
     return [None] if not text else [int(x) for x in text.split(",")]
 
 
+# The value each variant option takes in the default plan (stages: the most that fit)
+DEFAULT_OPTIONS = {"block_k": estimate_plan.BLOCK_K, "cluster": estimate_plan.CLUSTER,
+                   "queries": estimate_plan.QUERIES, "stagger": False}
+VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger")
+
+
+def plan_variants(layouts, block_k, stages, cluster, stagger=(None,)) -> list[dict]:
+    """Every combination of the given values as plan options, without the options the
+    default plan has anyway, each once, the default plan itself left out."""
+    variants = []
+    for values in itertools.product(layouts, block_k, stages, cluster, stagger):
+        options = {key: value for key, value in zip(VARIANT_KEYS, values)
+                   if value is not None and DEFAULT_OPTIONS.get(key) != value}
+        if options and options not in variants:
+            variants.append(options)
+    return variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--queries", default=",".join(estimate_plan.QUERY_LAYOUTS),
+                        help="comma-separated layouts of the queries to try (default "
+                             f"{','.join(estimate_plan.QUERY_LAYOUTS)})")
     parser.add_argument("--block-k", help="comma-separated block_k values to try")
     parser.add_argument("--stages", help="comma-separated stages values to try")
     parser.add_argument("--cluster", default="1,2,4",
                         help="comma-separated cluster sizes to try (default 1,2,4)")
+    parser.add_argument("--stagger", action="store_true",
+                        help="also every combination with staggered consumers")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -270,31 +305,46 @@ def main() -> None:
     unknown = [case for case in cases if case not in ESTIMATE]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; choose from {list(ESTIMATE)}")
+    queries = args.queries.split(",")
+    unknown = [layout for layout in queries if layout not in estimate_plan.QUERY_LAYOUTS]
+    if unknown:
+        parser.error(f"unknown --queries {unknown}; choose from "
+                     f"{list(estimate_plan.QUERY_LAYOUTS)}")
     if args.ptxas:  # read by Mosaic GPU when it compiles, inherited by the smoke process
         os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-    variants = [{key: value for key, value in zip(("block_k", "stages", "cluster"), values)
-                 if value is not None}
-                for values in itertools.product(_ints(args.block_k), _ints(args.stages),
-                                                _ints(args.cluster))]
-    default_options = ({}, {"cluster": estimate_plan.CLUSTER})
-    variants = [v for v in variants if v not in default_options]
+    # The default plan first, then each other layout's default plan: every check case,
+    # and the timing leaving stages out too; then the other variants.
+    layouts = [{}] + plan_variants(queries, [None], [None], [None])
+    variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
+                             _ints(args.cluster), (None, True) if args.stagger else (None,))
+    variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "
           f"mosaic.available() = {mosaic.available()!r}", flush=True)
     if mosaic.available() is not None:
         return
-    default = estimate_plan.estimate_plan(ESTIMATE["causal-64k"].geom(), jnp.bfloat16)
-    print(f"default plan at causal-64k: {default}, smem {default.smem_bytes(2)} B, scratch "
-          f"{default.scratch_bytes / 2**20:.0f} MiB; variants {variants}", flush=True)
+    geom = ESTIMATE["causal-64k"].geom()
+    for options in layouts:
+        plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+        print(f"plan [{label(options)}] at causal-64k: {plan}, smem {plan.smem_bytes(2)} "
+              f"B, scratch {plan.scratch_bytes / 2**20:.0f} MiB", flush=True)
+    for options in list(variants):
+        try:
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+        except ValueError as error:
+            print(f"variant [{label(options)}] dropped: {error}", flush=True)
+            variants.remove(options)
+    print(f"layouts {layouts}, variants {variants}", flush=True)
     outcome = "skipped" if args.no_smoke else smoke({})
     if outcome == "hang":
         return
     if not args.no_smoke:
+        layouts = [{}] + [v for v in layouts[1:] if smoke(v) != "hang"]
         variants = [v for v in variants if smoke(v) != "hang"]
     if not args.skip_check:
-        run_checks(variants)
+        run_checks(layouts, variants)
     if not args.skip_time and outcome != "fail":
-        run_timing(variants, cases)
+        run_timing(layouts, variants, cases)
     print(f"total {time.perf_counter() - started:.0f}s", flush=True)
 
 

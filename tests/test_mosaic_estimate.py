@@ -1,14 +1,18 @@
 """The estimate's block sums with the Mosaic GPU kernel (xattn_jax.mosaic.block_sums),
 against the plain-JAX reference (docs/estimate.md sections 1-3).
 
-On CPU, any jax: the plan's refusals and overrides, and the tile walk (which key tiles a
-row tile computes, which it masks) against its definition. Where Mosaic GPU imports (jax
->= 0.11): the kernel lowers for CUDA, and runs in Pallas' GPU interpret mode
+Both layouts of the queries (`estimate_plan.QUERY_LAYOUTS`: resident, streamed). On CPU,
+any jax: the plan's refusals, overrides and shared memory, and the tile walk (which key
+tiles a row tile computes, which it masks) against its definition. Where Mosaic GPU
+imports (jax >= 0.11): the kernel lowers for CUDA (and Mosaic GPU counts its shared
+memory as the plan does), and runs in Pallas' GPU interpret mode
 (tests/mosaic_interpret.py) at tiny shapes. Marked `gpu` (Hopper only): the compiled
 kernel.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +26,7 @@ from xattn_jax import mosaic, reference
 from xattn_jax.checks import check_qk
 from xattn_jax.geometry import Geometry
 from xattn_jax.mosaic import block_sums, estimate_plan
-from xattn_jax.mosaic.estimate_plan import ROWS
+from xattn_jax.mosaic.estimate_plan import QUERY_LAYOUTS
 
 needs_hopper = pytest.mark.skipif(mosaic.available() is not None,
                                   reason=str(mosaic.available()))
@@ -45,13 +49,28 @@ def _geom(batch, q_heads, kv_heads, q_len, k_len, head_dim, stride, block_size, 
      "no paged"),
     (Geometry(1, 4, 2, 1024, 1024, 128, 16, 128), jnp.bfloat16, {}, "shared memory"),
     (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16, {}, "statistics"),
+    (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16,
+     {"queries": "streamed"}, "statistics"),
 ])
 def test_plan_refuses_unsupported_calls(geom, dtype, options, rule):
     reason = estimate_plan.unsupported_reason(geom, dtype, **options)
     assert reason is not None and rule in reason, reason
-    if not options:
+    plan_options = {key: value for key, value in options.items() if key == "queries"}
+    if options == plan_options:
         with pytest.raises(ValueError, match=rule):
-            estimate_plan.estimate_plan(geom, dtype)
+            estimate_plan.estimate_plan(geom, dtype, **plan_options)
+
+
+def test_streamed_queries_fit_where_resident_ones_do_not():
+    """S 16 at D 128: the resident queries alone (64 x 16 x 128 bf16) exceed the shared
+    memory; streamed, the plan takes the most slots of query and key chunks that fit."""
+    geom = Geometry(1, 4, 2, 1024, 1024, 128, 16, 128)
+    assert "shared memory" in estimate_plan.unsupported_reason(geom, jnp.bfloat16)
+    assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, queries="streamed") is None
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="streamed")
+    assert (plan.queries, plan.rows, plan.stages) == ("streamed", 128, 6)
+    with pytest.raises(ValueError, match="queries must be one of"):
+        estimate_plan.unsupported_reason(geom, jnp.bfloat16, queries="tiled")
 
 
 def test_plan_defaults_fit_and_overrides_are_checked():
@@ -73,6 +92,38 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=3)
     with pytest.raises(ValueError, match="leave_out"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, leave_out="epilogue")
+    with pytest.raises(ValueError, match="queries"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="tiled")
+    with pytest.raises(ValueError, match="cluster must be 1 with queries='streamed'"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=2, queries="streamed")
+    with pytest.raises(ValueError, match="stagger needs queries='streamed'"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True)
+
+
+@pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 6), (256, 4)])
+def test_streamed_plan_rows_and_ring(block_k, stages):
+    """128 rows per CTA (64 per consumer, 64 for the resident queries); the default ring
+    is the deepest whose slots (query chunk [128, 64] + key chunk [block_k, 64]) fit, and
+    the count is that of mosaic/smem.py's rules, buffer by buffer."""
+    geom = Geometry(1, 32, 8, 1000, 65536, 128, 8, 128)
+    resident = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
+                                       queries="streamed")
+    assert (resident.queries, resident.rows, resident.row_tiles) == ("resident", 64, 2)
+    assert (plan.rows, plan.row_tiles, plan.padded_rows) == (128, 1, 128)
+    assert plan.stages == stages
+    stats = -(-2 * plan.stat_planes * 64 * 4 // 1024) * 1024
+    assert plan.smem_bytes(2) == (stages * (128 + block_k) * 64 * 2 + stats + 2048
+                                  + 8 * 2 * stages)
+    deeper = estimate_plan.EstimatePlan(geom, block_k, 64, stages + 1, queries="streamed")
+    assert (deeper.smem_bytes(2) > estimate_plan.SMEM_BYTES
+            or stages == estimate_plan.MAX_STAGES)
+    # staggered: one barrier more; consumer 1 half a tile (16 steps) late, or as late as
+    # the ring allows
+    staggered = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
+                                            queries="streamed", stagger=True)
+    assert staggered.smem_bytes(2) == plan.smem_bytes(2) + 8
+    assert (plan.lag_steps, staggered.lag_steps) == (0, min(8, stages - 1))
 
 
 def test_shared_memory_is_counted_as_mosaic_gpu_does():
@@ -85,21 +136,23 @@ def test_shared_memory_is_counted_as_mosaic_gpu_does():
         assert estimate_plan.estimate_plan(geom, jnp.bfloat16).stages == 5
 
 
+@pytest.mark.parametrize("queries", QUERY_LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_len, k_len, block_size, block_k", [
     (1024, 1024, 128, 128), (1000, 1512, 64, 64), (256, 4352, 512, 256), (8, 520, 64, 64)])
-def test_tile_walk_matches_the_visibility_rule(q_len, k_len, block_size, block_k, causal):
+def test_tile_walk_matches_the_visibility_rule(q_len, k_len, block_size, block_k, causal,
+                                               queries):
     """Per row tile: the tiles computed are exactly those holding a column some of its
     rows sees, and the unmasked ones exactly those every one of its rows sees in full."""
     geom = _geom(1, 2, 1, q_len, k_len, 64, 8, block_size, causal)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k)
-    row0 = np.arange(plan.row_tiles) * ROWS
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k, queries=queries)
+    row0 = np.arange(plan.row_tiles) * plan.rows
     computed = np.asarray(estimate_plan.visible_tiles(plan, causal, row0))
     unmasked = np.asarray(estimate_plan.unmasked_tiles(plan, causal, row0))
     rows = np.arange(plan.padded_rows)[:, None]
     cols = np.arange(plan.padded_cols)[None, :]
     seen = (cols < geom.k_cols) & ((cols <= rows + geom.row_offset) | (not causal))
-    seen = seen.reshape(plan.row_tiles, ROWS, plan.key_tiles, block_k)
+    seen = seen.reshape(plan.row_tiles, plan.rows, plan.key_tiles, block_k)
     np.testing.assert_array_equal(computed, [np.flatnonzero(t.any(axis=(0, 2))).max() + 1
                                              for t in seen])
     np.testing.assert_array_equal(unmasked, [np.argmin(np.append(t.all(axis=(0, 2)), False))
@@ -114,9 +167,13 @@ def _mosaic_gpu_import_error() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_mosaic_gpu_import_error() is not None,
-                    reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
-@pytest.mark.parametrize("shape, causal, options", [
+needs_mosaic_gpu = pytest.mark.skipif(
+    _mosaic_gpu_import_error() is not None,
+    reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
+
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size), causal, plan options; each
+# case without a cluster is lowered with both layouts of the queries
+LOWERING_CASES = [
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {}),
     ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {}),
     ((2, 4, 2, 1000, 1512, 64, 8, 64), False, {"block_k": 64}),
@@ -127,22 +184,51 @@ def _mosaic_gpu_import_error() -> str | None:
     ((1, 4, 2, 1024, 2048, 64, 8, 64), True, {"block_k": 256}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "product"}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "statistics"}),
-])
-def test_kernel_lowers_for_cuda(shape, causal, options):
-    """Without a GPU: Mosaic GPU's lowering (layout inference and the shared memory
-    budget included, for sm_90) accepts the kernel and the module holds its custom
-    call."""
-    batch, q_heads, kv_heads, q_len, k_len, dim, stride, block_size = shape
-    geom = _geom(*shape, causal)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+]
+LOWERING_CASES += [(shape, causal, {**options, "queries": "streamed"})
+                   for shape, causal, options in LOWERING_CASES if "cluster" not in options]
+LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepest ring
+    ((1, 8, 2, 2048, 2048, 128, 16, 128), True, {"queries": "streamed"}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": True}),
+]
+
+
+def _lower(shape, causal, plan):
+    """The text of the module jit lowers for CUDA: block_sums on bf16 q and k."""
+    batch, q_heads, kv_heads, q_len, k_len, dim, _, _ = shape
     q = jax.ShapeDtypeStruct((batch, q_heads, q_len, dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((batch, kv_heads, k_len, dim), jnp.bfloat16)
 
     def call(q, k):
         return block_sums.block_sums(q, k, plan=plan, causal=causal, norm=1.0)
 
-    lowered = jax.jit(call).trace(q, k).lower(lowering_platforms=("cuda",))
-    assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
+    return jax.jit(call).trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("shape, causal, options", LOWERING_CASES)
+def test_kernel_lowers_for_cuda(shape, causal, options):
+    """Without a GPU: Mosaic GPU's lowering (layout inference and the shared memory
+    budget included, for sm_90) accepts the kernel and the module holds its custom
+    call."""
+    plan = estimate_plan.estimate_plan(_geom(*shape, causal), jnp.bfloat16, **options)
+    assert plan.queries == options.get("queries", estimate_plan.QUERIES)
+    assert "stablehlo.custom_call @mosaic_gpu" in _lower(shape, causal, plan)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("queries", QUERY_LAYOUTS)
+@pytest.mark.parametrize("block_size, block_k", [(128, 128), (1024, 128), (128, 256)])
+def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k):
+    """One slot more than the default ring: Mosaic GPU's lowering refuses it with the
+    byte count the plan computes (so the default plan is the deepest that fits)."""
+    shape = (1, 32, 8, 4096, 4096, 128, 8, block_size)
+    plan = estimate_plan.estimate_plan(_geom(*shape, True), jnp.bfloat16, block_k=block_k,
+                                       queries=queries)
+    deeper = dataclasses.replace(plan, stages=plan.stages + 1)
+    with pytest.raises(Exception, match=f"smem_bytes={deeper.smem_bytes(2)} "):
+        _lower(shape, True, deeper)
 
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, norm, plan options):
@@ -150,7 +236,10 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 # and tiles, causal Lq < Lk, D 128 (two head-dim parts per step), a ring of 2 slots,
 # blocks of several units and of one, clusters of two CTAs sharing the key chunks (an
 # odd number of real row tiles; causal: the cluster's first CTA walks a tile it does not
-# see; a cluster of four), float16.
+# see; a cluster of four), float16. Streamed queries (128 rows per CTA): causal, where
+# consumer 0 computes a tile none of its rows sees; odd lengths, the row tile's second
+# half padding; D 128 with a ring of 2 slots and Lq < Lk; block_k 128 and 256, float16;
+# staggered consumers (a lag of one step; of stages - 1 = 2, less than half a tile).
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
@@ -160,6 +249,17 @@ INTERPRET_CASES = [
     (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0, {"block_k": 64, "cluster": 2}),
     (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0, {"block_k": 64, "dtype": jnp.float16}),
     (1, 2, 1, 300, 556, 64, 2, 64, True, 1.0, {"block_k": 64, "stages": 3, "cluster": 4}),
+    (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "streamed"}),
+    (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "streamed"}),
+    (1, 4, 2, 128, 384, 128, 2, 128, True, 1.0,
+     {"block_k": 64, "stages": 2, "queries": "streamed"}),
+    (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128, "queries": "streamed"}),
+    (1, 2, 1, 300, 1100, 64, 2, 64, False, 1.0,
+     {"block_k": 256, "queries": "streamed", "dtype": jnp.float16}),
+    (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "stagger": True}),
+    (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
+     {"block_k": 64, "stages": 3, "queries": "streamed", "stagger": True}),
 ]
 
 
@@ -190,12 +290,14 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
 @pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
                     reason=str(mosaic_interpret.unsupported_reason()))
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
-def test_timing_variant_without_products_reads_zero_scores(rand):
+@pytest.mark.parametrize("queries", QUERY_LAYOUTS)
+def test_timing_variant_without_products_reads_zero_scores(rand, queries):
     """leave_out="product" keeps the pipeline and the statistics and reads every score as
     0: the block sums of q = 0 (each row spread evenly over the columns it sees)."""
     geom = _geom(1, 2, 1, 256, 384, 64, 2, 32, True)
     q, k = rand.qk(1, 2, 1, 256, 384, 64, stride=2, dtype=jnp.bfloat16)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=64, leave_out="product")
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=64, leave_out="product",
+                                       queries=queries)
     with mosaic_interpret.interpret_kernel() as races_found:
         got = np.asarray(block_sums.block_sums(q, k, plan=plan, causal=True, norm=1.0))
         assert not races_found(), str(rand)
@@ -213,6 +315,15 @@ GPU_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 2, "block_k": 256}),
     (1, 32, 8, 4096, 8192, 128, 8, 512, True, {"cluster": 4}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "streamed"}),
+    (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "streamed"}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"queries": "streamed", "block_k": 256}),
+    (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {"queries": "streamed"}),
+    (1, 4, 1, 777, 777, 128, 8, 128, True, {"queries": "streamed", "block_k": 256}),
+    (1, 8, 2, 2048, 2048, 128, 16, 128, True, {"queries": "streamed"}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "streamed", "stagger": True}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False,
+     {"queries": "streamed", "block_k": 256, "stagger": True}),
 ]
 
 

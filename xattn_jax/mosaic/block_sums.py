@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import ROWS, EstimatePlan, visible_tiles
+from xattn_jax.mosaic.estimate_plan import EstimatePlan, visible_tiles
 from xattn_jax.row_statistics import LOG2_E, combine
 
 
@@ -33,7 +33,7 @@ def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool):
     totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R, P]`; tiles a row tile does not see
     become empty (-inf, 0), whatever their memory holds."""
     units = plan.units_per_tile
-    row0 = jnp.arange(plan.padded_rows, dtype=jnp.int32) // ROWS * ROWS
+    row0 = jnp.arange(plan.padded_rows, dtype=jnp.int32) // plan.rows * plan.rows
     seen = jnp.arange(plan.key_tiles)[:, None] < visible_tiles(plan, causal, row0)[None, :]
     maxes = jnp.where(seen, stats[:, :, :, 0], -jnp.inf)
     sums = jnp.where(seen[..., None], jnp.moveaxis(stats[:, :, :, 1:1 + units], 3, 4), 0.0)

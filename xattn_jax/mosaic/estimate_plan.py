@@ -3,17 +3,27 @@ Hopper: tiles, pipeline depth, shared memory and scratch. Plain Python (no Mosai
 import), so that a caller can ask `unsupported_reason` anywhere.
 
 The kernel (`xattn_jax.mosaic.tile_stats`) computes the strided scores as one deep-K
-product, K = S * D: a CTA holds `ROWS` reshaped query rows of one (batch, query head)
-resident in shared memory (all S stride members, `S * D / block_d` chunks of
-`ROWS x block_d`) and streams key chunks of `block_k` reshaped key columns x `block_d`
-head-dim columns (one stride member each) through a ring of `stages` slots. Its two
-consumer warpgroups take the CTA's key tiles in turns (warpgroup w the tiles t = w mod 2),
-so that one's row statistics (`one_pass` of the Triton backend: max, per-unit exp2 sums
-and totals per key tile) overlap the other's matrix products. With `cluster` = c > 1, the
-CTAs of c consecutive row tiles form a cluster and share each key chunk (TMA multicast:
-each loads 1/c of it), dividing the key traffic from L2 by c: alone, a CTA reads 2 bytes
-of keys per ROWS x 2 = 128 flops, 64 flops per byte, which may bound it below the tensor
-cores (to be measured).
+product, K = S * D, of the `plan.rows` reshaped query rows of one (batch, query head) a
+CTA owns with key chunks of `block_k` reshaped key columns x `block_d` head-dim columns
+(one stride member each), streamed through a ring of `stages` slots. Two layouts of the
+queries (`queries`, one of QUERY_LAYOUTS), both with two consumer warpgroups computing
+the row statistics (`one_pass` of the Triton backend: max, per-unit exp2 sums and totals
+per key tile):
+
+- "resident": a CTA holds `WGMMA_ROWS` = 64 rows resident in shared memory (all S stride
+  members, `S * D / block_d` chunks of `[64, block_d]`, 128 KiB at S 8, D 128); a ring
+  slot holds one key chunk `[block_k, block_d]`. The consumers take the key tiles in
+  turns (warpgroup w the tiles t = w mod 2), so that one's statistics overlap the
+  other's products. With `cluster` = c > 1, the CTAs of c consecutive row tiles form a
+  cluster and share each key chunk (TMA multicast: each loads 1/c of it), dividing the
+  key traffic from L2 by c.
+- "streamed": a CTA owns `CONSUMERS x 64` = 128 rows and holds none resident; a ring slot
+  holds the query chunk `[128, block_d]` and the key chunk `[block_k, block_d]` of one
+  step, and consumer w multiplies rows 64w .. 64w + 63 of it (GEMM style: every key byte
+  written to shared memory serves 128 rows, and the ring gets the room the resident
+  queries took). Both consumers compute every key tile; no clusters. With `stagger`
+  (a variant to be measured), consumer 1 starts `lag_steps` steps after consumer 0, so
+  that each one's statistics may overlap the other's products.
 
 Tuned values are first guesses, to be measured on the H200 with
 `python -m bench.mosaic_estimate_check`.
@@ -32,14 +42,19 @@ from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
 from xattn_jax.row_statistics import UnitSums
 from xattn_jax.triton.plan import ONE_PASS_WHOLE_CALL_BYTES
 
-ROWS = 64  # reshaped query rows per CTA: one wgmma M tile, shared by both consumers
-CONSUMERS = 2  # consumer warpgroups, taking the key tiles in turns
+WGMMA_ROWS = 64  # reshaped query rows of one consumer's product: one wgmma M tile
+CONSUMERS = 2  # consumer warpgroups
+# Where a CTA's queries live: all in shared memory ("resident", WGMMA_ROWS rows per CTA,
+# the consumers taking the key tiles in turns) or streamed through the ring with the keys
+# ("streamed", CONSUMERS x WGMMA_ROWS rows per CTA, each consumer its 64 rows of every tile)
+QUERY_LAYOUTS = ("resident", "streamed")
+QUERIES = "resident"  # the default layout; to be measured against "streamed"
 BLOCK_K = 128  # reshaped key columns per key tile (wgmma N); to be measured
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
 CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 and 4 to be measured
-CLUSTERS = (1, 2, 4)
+CLUSTERS = (1, 2, 4)  # with the resident queries; the streamed ones take 1 only
 # Timing variants that leave one stage of the kernel out (`bench.mosaic_estimate_check`;
 # their results are not block sums): the consumers' matrix products (scores read as 0),
 # or the statistics past the row maxima.
@@ -58,9 +73,12 @@ class EstimatePlan(UnitSums):
     """Tiles of one call. Hashable: a static jit argument.
 
     block_k: reshaped key columns per key tile; block_d: head-dim columns per pipeline
-    step; stages: key chunks of `block_k x block_d` in flight (the ring's slots);
-    cluster: CTAs of consecutive row tiles sharing the key chunks; leave_out: None, or
-    a stage of LEAVE_OUT that the kernel skips (timing only).
+    step; stages: the ring's slots, each a key chunk `[block_k, block_d]` (with the
+    streamed queries, and a query chunk `[rows, block_d]`); cluster: CTAs of
+    consecutive row tiles sharing the key chunks; leave_out: None, or a stage of
+    LEAVE_OUT that the kernel skips (timing only); queries: the layout of the queries,
+    one of QUERY_LAYOUTS; stagger (streamed queries only): consumer 1 starts
+    `lag_steps` steps late.
     """
 
     geom: Geometry
@@ -69,15 +87,23 @@ class EstimatePlan(UnitSums):
     stages: int
     cluster: int = CLUSTER
     leave_out: str | None = None
+    queries: str = QUERIES
+    stagger: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Reshaped query rows per CTA (a row tile): one wgmma M tile with the resident
+        queries, one per consumer with the streamed ones."""
+        return WGMMA_ROWS * (CONSUMERS if self.queries == "streamed" else 1)
 
     @property
     def row_tiles(self) -> int:
         """CTAs per (batch, query head): whole clusters."""
-        return cdiv(self.geom.q_rows, ROWS * self.cluster) * self.cluster
+        return cdiv(self.geom.q_rows, self.rows * self.cluster) * self.cluster
 
     @property
     def padded_rows(self) -> int:
-        return self.row_tiles * ROWS
+        return self.row_tiles * self.rows
 
     @property
     def key_tiles(self) -> int:
@@ -98,16 +124,31 @@ class EstimatePlan(UnitSums):
         return self.geom.stride * self.head_parts
 
     def smem_bytes(self, itemsize: int) -> int:
-        """Shared memory of one CTA as Mosaic GPU counts it (`mosaic.smem`): resident
-        queries, the key ring, one statistics buffer per consumer, and the barriers of
-        `tile_stats.tile_stats` (queries ready; per consumer and slot, a chunk ready; per
-        slot, the slot free)."""
+        """Shared memory of one CTA as Mosaic GPU counts it (`mosaic.smem`), the scratch
+        of `tile_stats.tile_stats`: the queries (resident: all of them; streamed: a ring
+        of query chunks), the key ring, one statistics buffer per consumer, and the
+        barriers (resident: queries ready, per consumer and slot a chunk ready, per slot
+        the slot free; streamed: per slot, the slot ready and the slot free, and with
+        `stagger` consumer 1's start)."""
         geom = self.geom
-        queries = ROWS * geom.stride * geom.head_dim * itemsize
-        ring = self.stages * self.block_k * self.block_d * itemsize
-        stats = CONSUMERS * self.stat_planes * ROWS * STAT_BYTES
-        return smem_bytes([queries, ring, stats],
-                          barriers=1 + CONSUMERS * self.stages + self.stages)
+        keys = self.stages * self.block_k * self.block_d * itemsize
+        stats = CONSUMERS * self.stat_planes * WGMMA_ROWS * STAT_BYTES
+        if self.queries == "streamed":
+            queries = self.stages * self.rows * self.block_d * itemsize
+            barriers = 2 * self.stages + self.stagger
+        else:
+            queries = self.rows * geom.stride * geom.head_dim * itemsize
+            barriers = 1 + CONSUMERS * self.stages + self.stages
+        return smem_bytes([queries, keys, stats], barriers=barriers)
+
+    @property
+    def lag_steps(self) -> int:
+        """Steps consumer 1 starts behind consumer 0 with `stagger` (else 0): half a tile,
+        at most stages - 1 (consumer 0 gets no further ahead before consumer 1 releases
+        a slot), at least 1."""
+        if not self.stagger:
+            return 0
+        return max(1, min(self.steps_per_tile // 2, self.stages - 1))
 
     @property
     def scratch_bytes(self) -> int:
@@ -118,15 +159,18 @@ class EstimatePlan(UnitSums):
 
 
 def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
-                       paged: bool = False) -> str | None:
-    """Why the Mosaic block-sum kernel cannot run this call (None if it can).
+                       paged: bool = False, queries: str = QUERIES) -> str | None:
+    """Why the Mosaic block-sum kernel cannot run this call (None if it can) with the
+    `queries` layout (QUERY_LAYOUTS; ValueError for another).
 
     It needs q and k in bfloat16 or float16, D in HEAD_DIMS, block_size a multiple of
     COLUMN_TILE x stride, all Lk keys in use (no key_len) in a contiguous k (no paged
-    cache), the resident queries (ROWS x S x D) and a ring of MIN_STAGES key chunks in
-    shared memory, and statistics within MAX_SCRATCH_BYTES. Any Lq and Lk otherwise
-    (padded to whole tiles by the caller). The Triton backend takes everything else.
+    cache), the CTA's shared memory with a ring of MIN_STAGES slots (resident queries:
+    64 rows x S x D of them besides, which S 16 at D 128 exceeds), and statistics within
+    MAX_SCRATCH_BYTES. Any Lq and Lk otherwise (padded to whole tiles by the caller). The
+    Triton backend takes everything else.
     """
+    _check_queries(queries)
     dtype = jnp.dtype(dtype)
     if dtype not in SUPPORTED_DTYPES:
         return f"impl='mosaic' needs q and k in bfloat16 or float16; got {dtype}"
@@ -138,12 +182,12 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     if key_len or paged:
         return ("impl='mosaic' block sums read a contiguous k with all keys in use "
                 "(no key_len, no paged cache) in this version")
-    plan = EstimatePlan(geom, BLOCK_K, BLOCK_D, MIN_STAGES)
+    plan = EstimatePlan(geom, BLOCK_K, BLOCK_D, MIN_STAGES, queries=queries)
     smem = plan.smem_bytes(dtype.itemsize)
     if smem > SMEM_BYTES:
-        return (f"impl='mosaic' holds {ROWS} query rows x stride {geom.stride} x head_dim "
-                f"{geom.head_dim} in shared memory: {smem} bytes with the key ring, over "
-                f"{SMEM_BYTES}")
+        return (f"impl='mosaic' with {queries} queries ({plan.rows} rows x stride "
+                f"{geom.stride} x head_dim {geom.head_dim} per CTA) needs {smem} bytes of "
+                f"shared memory with a ring of {MIN_STAGES} slots, over {SMEM_BYTES}")
     if plan.scratch_bytes > MAX_SCRATCH_BYTES:
         return (f"impl='mosaic' block sums need {plan.scratch_bytes} bytes of statistics, "
                 f"over {MAX_SCRATCH_BYTES} (row steps are not implemented yet)")
@@ -152,13 +196,17 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
 
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   stages: int | None = None, cluster: int | None = None,
-                  leave_out: str | None = None) -> EstimatePlan:
-    """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages and
-    cluster (in CLUSTERS) override the defaults (tuning runs); the default stages are the
-    most that fit in shared memory, at most MAX_STAGES. leave_out: a timing variant
-    (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
-    (`unsupported_reason`) and overrides that do not fit."""
-    reason = unsupported_reason(geom, dtype)
+                  leave_out: str | None = None, queries: str | None = None,
+                  stagger: bool = False) -> EstimatePlan:
+    """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages,
+    cluster (in CLUSTERS; the streamed queries take 1 only) and queries (in
+    QUERY_LAYOUTS) override the defaults (tuning runs); the default stages are the most
+    that fit in shared memory, at most MAX_STAGES. leave_out: a timing variant
+    (LEAVE_OUT); stagger: the staggered consumers (streamed queries only). Raises
+    ValueError for arguments the kernel does not take (`unsupported_reason`) and
+    overrides that do not fit."""
+    queries = QUERIES if queries is None else queries
+    reason = unsupported_reason(geom, dtype, queries=queries)
     if reason is not None:
         raise ValueError(reason)
     if leave_out not in (None, *LEAVE_OUT):
@@ -166,6 +214,12 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     cluster = CLUSTER if cluster is None else cluster
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
+    if cluster > 1 and queries == "streamed":
+        raise ValueError(f"cluster must be 1 with queries='streamed' (no multicast of the "
+                         f"query and key chunks); got {cluster}")
+    if stagger and queries != "streamed":
+        raise ValueError("stagger needs queries='streamed' (the resident queries' "
+                         f"consumers take the key tiles in turns); got {queries!r}")
     block_k = BLOCK_K if block_k is None else block_k
     if block_k % 64 or not 64 <= block_k <= MAX_BLOCK_K:
         raise ValueError(f"block_k must be a multiple of 64 in [64, {MAX_BLOCK_K}]; got "
@@ -173,12 +227,13 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     itemsize = jnp.dtype(dtype).itemsize
     if stages is None:
         fits = [n for n in range(MIN_STAGES, MAX_STAGES + 1)
-                if EstimatePlan(geom, block_k, BLOCK_D, n, cluster).smem_bytes(itemsize)
-                <= SMEM_BYTES]
+                if EstimatePlan(geom, block_k, BLOCK_D, n, cluster, queries=queries,
+                                stagger=stagger).smem_bytes(itemsize) <= SMEM_BYTES]
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
-    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out)
+    plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
+                        bool(stagger))
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
@@ -189,23 +244,28 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     return plan
 
 
+def _check_queries(queries: str) -> None:
+    if queries not in QUERY_LAYOUTS:
+        raise ValueError(f"queries must be one of {QUERY_LAYOUTS}; got {queries!r}")
+
+
 def visible_tiles(plan: EstimatePlan, causal: bool, row0):
-    """Key tiles 0 .. n - 1 hold a column some row of the row tile starting at `row0`
-    (a Python int, a traced int32 scalar or an int32 array) may see (section 2: column
-    j <= row + (Lk - Lq) / S with causal, j < k_cols always). Shared by the kernel (the
-    tiles a cluster computes: those of its last row tile) and the epilogue (which
-    statistics are real)."""
+    """Key tiles 0 .. n - 1 hold a column some row of the row tile (`plan.rows` rows)
+    starting at `row0` (a Python int, a traced int32 scalar or an int32 array) may see
+    (section 2: column j <= row + (Lk - Lq) / S with causal, j < k_cols always). Shared
+    by the kernel (the tiles a CTA computes; with clusters, those of the cluster's last
+    row tile) and the epilogue (which statistics are real)."""
     geom = plan.geom
     row0 = jnp.asarray(row0, jnp.int32)
     if not causal:
         return jnp.full(row0.shape, plan.key_tiles, jnp.int32)
-    last_col = jnp.minimum(row0 + (ROWS - 1 + geom.row_offset), geom.k_cols - 1)
+    last_col = jnp.minimum(row0 + (plan.rows - 1 + geom.row_offset), geom.k_cols - 1)
     return _div(last_col, plan.block_k) + 1
 
 
 def unmasked_tiles(plan: EstimatePlan, causal: bool, row0):
-    """Key tiles 0 .. n - 1 every row of the row tile starting at `row0` sees in full:
-    the kernel masks only the later ones."""
+    """Key tiles 0 .. n - 1 every row from `row0` on sees in full (they do if row0
+    does): the kernel masks only the later ones."""
     geom = plan.geom
     row0 = jnp.asarray(row0, jnp.int32)
     whole = geom.k_cols // plan.block_k

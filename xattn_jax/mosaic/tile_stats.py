@@ -1,25 +1,38 @@
 """The warp-specialized Mosaic GPU kernel of the estimate's row statistics per key tile
 (docs/estimate.md sections 1-3; the statistics of `xattn_jax.triton.one_pass`).
 
-One CTA = `ROWS` reshaped query rows of one (batch, query head) + two consumer
-warpgroups + one producer warpgroup. Section 1 as one product with K = S x D: with q
-viewed as `[B, Hq, rows, S, D]` and k as `[B, Hkv, cols, S, D]` (free reshapes),
+One CTA = `plan.rows` reshaped query rows of one (batch, query head) (a row tile) + two
+consumer warpgroups + one producer warpgroup. Section 1 as one product with K = S x D:
+with q viewed as `[B, Hq, rows, S, D]` and k as `[B, Hkv, cols, S, D]` (free reshapes),
 
     A[r, c] = sum_s q[r, S-1-s, :] . k[c, s, :] * scale
 
 so that stride member s of a key tile is a `[block_k, D]` box of k with a row stride of
-S x D, which TMA loads directly.
+S x D, which TMA loads directly. A key tile's product runs in `plan.steps_per_tile` steps
+(stride member s, head-dim part of `block_d` columns), each one wgmma of 64 query rows
+`[64, block_d]` by a key chunk `[block_k, block_d]` into a float32 `[64, block_k]`
+accumulator. The producer streams the chunks of every key tile the CTA sees, in tile
+order, step by step, through a ring of `plan.stages` slots; a slot is refilled once the
+consumers reading it released it. Two layouts of the queries (`plan.queries`):
 
-Producer: loads the CTA's queries once (S x head_parts chunks of `[ROWS, block_d]`, one
-barrier), then streams the key chunks of every visible key tile, in tile order, step by
-step (stride member s, head-dim part), through a ring of `plan.stages` slots. Each chunk
-signals the ready barrier of the consumer that owns its tile (tile t: consumer t mod 2),
-so each consumer waits on every phase of its own barriers and never on the other's; a
-slot is refilled once its consumer released it.
+- "resident" (64 rows per CTA): the producer first loads all the CTA's queries (S x
+  head_parts chunks `[64, block_d]`, one barrier) and keeps them; a ring slot holds a key
+  chunk. The consumers take the key tiles in turns (consumer w the tiles t = w, w + 2,
+  ...): each chunk signals the ready barrier of its tile's consumer, so each consumer
+  waits on every phase of its own barriers and never on the other's; one's statistics
+  run while the other multiplies the next tile.
+- "streamed" (128 rows per CTA, consumer w rows 64w .. 64w + 63): a ring slot holds the
+  query chunk `[128, block_d]` (stride member S-1-s) and the key chunk (member s) of one
+  step, both copies arriving on the slot's one ready barrier; both consumers compute
+  every key tile, each multiplying its 64 rows of the query chunk, and both release the
+  slot (its free barrier counts two arrivals). Both reach their statistics together,
+  which the tensor cores wait for while the ring fills; with `plan.stagger`, consumer 1
+  waits until consumer 0 has issued `plan.lag_steps` steps of its first tile (a barrier
+  arrived on once), and the shared ring keeps it at most `stages` steps behind.
 
-Consumers: consumer w computes key tiles t = w, w + 2, ...: per step one wgmma into a
-float32 `[ROWS, block_k]` accumulator (the previous step's slot is released once at most
-one wgmma is in flight), then the statistics of the tile, in log2 units:
+Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
+wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
+units:
 
 - m[r] = max over the tile's columns of A'[r, c] (A' = A * log2(e), -inf where not seen),
 - x[u, r] = sum over the columns c of unit u of 2^(A'[r, c] - m[r]) (a row that sees no
@@ -27,21 +40,20 @@ one wgmma is in flight), then the statistics of the tile, in log2 units:
 - with several units, their total,
 
 stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]) through a shared
-memory buffer and TMA. Because the ring hands the tiles out in order, consumer 0's
-statistics run while consumer 1 multiplies the next tile, and the other way round.
-Only tiles holding a column some row does not see (past the keys, or after the first
-row's causal diagonal) come last and are masked per element. Tiles no row sees are
-neither computed nor stored (`estimate_plan.visible_tiles`: the caller fills them).
+memory buffer and TMA. Only tiles holding a column some of the consumer's rows do not
+see (past the keys, or after its first row's causal diagonal) come last and are masked
+per element. Tiles no row of the row tile sees are neither computed nor stored
+(`estimate_plan.visible_tiles`: the caller fills them).
 
 `plan.leave_out` (timing only) skips the consumers' products or their statistics past
 the maxima; the pipeline and the stores stay.
 
-Clusters (`plan.cluster` = c > 1): the CTAs of c consecutive row tiles walk the same key
-tiles (those the last one sees; earlier ones mask their extra tiles whole) and each key
-chunk is multicast to all, each CTA's producer loading 1/c of it; the ring's release
-barrier then counts the owning consumer of every CTA in the cluster. A CTA's producer
-waits for the last releases of all, so no CTA exits while another may still write to
-its shared memory or arrive on its barriers.
+Clusters (resident queries only, `plan.cluster` = c > 1): the CTAs of c consecutive row
+tiles walk the same key tiles (those the last one sees; earlier ones mask their extra
+tiles whole) and each key chunk is multicast to all, each CTA's producer loading 1/c of
+it; the ring's release barrier then counts the owning consumer of every CTA in the
+cluster. A CTA's producer waits for the last releases of all, so no CTA exits while
+another may still write to its shared memory or arrive on its barriers.
 """
 
 from __future__ import annotations
@@ -54,81 +66,100 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from xattn_jax.mosaic.estimate_plan import (CONSUMERS, ROWS, EstimatePlan, unmasked_tiles,
-                                            visible_tiles)
+from xattn_jax.mosaic.estimate_plan import (CONSUMERS, WGMMA_ROWS, EstimatePlan,
+                                            unmasked_tiles, visible_tiles)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
 CLUSTER_AXIS = "cluster"
 
 
-def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k_ready,
-                 k_free, *, plan: EstimatePlan, causal: bool, scale: float):
+def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready,
+                 free, lead, *, plan: EstimatePlan, causal: bool, scale: float):
     """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D], stats float32
-    [B, Hq, key_tiles, stat_planes, padded_rows]; scale: A' = product x scale."""
+    [B, Hq, key_tiles, stat_planes, padded_rows]; scratch as `_scratch_types` makes it
+    (q_ready None with the streamed queries, lead None without stagger); scale:
+    A' = product x scale."""
     geom = plan.geom
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
+    streamed = plan.queries == "streamed"
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     groups = plan.row_tiles // plan.cluster
     first_tile = (groups - 1 - lax.axis_index("row_groups")) * plan.cluster  # long first
-    row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * ROWS
+    row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
     wg = lax.axis_index(WG_AXIS)
     # The cluster's CTAs share the key chunks: all walk the tiles its last row tile sees.
-    num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * ROWS)
+    num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * plan.rows)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        own_tiles = lax.div(num_tiles - wg + 1, jnp.int32(CONSUMERS))
-        plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, row0) - wg + 1,
-                                 jnp.int32(CONSUMERS)), 0, own_tiles)
+        # Resident: consumer w takes tiles w, w + 2, ...; streamed: every tile, rows 64w..
+        first, turns = (0, 1) if streamed else (wg, CONSUMERS)
+        own_row0 = row0 + wg * WGMMA_ROWS if streamed else row0
+        own_tiles = lax.div(num_tiles - first + (turns - 1), jnp.int32(turns))
+        plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, own_row0) - first
+                                 + (turns - 1), jnp.int32(turns)), 0, own_tiles)
+        own_ready = 0 if streamed else wg * stages  # the consumer's ready barriers
         out = stats_smem.at[wg]
-        plgpu.barrier_wait(q_ready)
+        if not streamed:
+            plgpu.barrier_wait(q_ready)
+        if plan.stagger:
+            @pl.when((wg == 1) & (num_tiles > 0))
+            def _():
+                plgpu.barrier_wait(lead)
+
+        def queries(step, slot):
+            """The wgmma's left operand `[64, block_d]` of this step."""
+            if streamed:
+                return q_smem.at[slot, pl.ds(wg * WGMMA_ROWS, WGMMA_ROWS)]
+            member, part = divmod(step, parts)
+            return q_smem.at[(geom.stride - 1 - member) * parts + part]
 
         def one_tile(n, carry, *, masked: bool):
-            tile = wg + n * CONSUMERS
+            tile = first + n * turns
             first_step = tile * steps
 
             def product(acc_ref):
-                for step in range(steps):  # static: member and part index q_smem
-                    member, part = divmod(step, parts)
+                for step in range(steps):  # static: the resident queries' chunk index
                     slot = lax.rem(first_step + step, jnp.int32(stages))
-                    plgpu.barrier_wait(k_ready.at[wg * stages + slot])
+                    plgpu.barrier_wait(ready.at[own_ready + slot])
                     if multiply:
-                        plgpu.wgmma(acc_ref,
-                                    q_smem.at[(geom.stride - 1 - member) * parts + part],
+                        plgpu.wgmma(acc_ref, queries(step, slot),
                                     k_smem.at[slot].transpose((1, 0)))
+                    if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
+                        @pl.when((wg == 0) & (tile == 0))
+                        def _():
+                            plgpu.barrier_arrive(lead)
                     if step:  # the step before has finished reading its slot
                         if multiply:
                             plgpu.wgmma_wait(1)
                         plgpu.barrier_arrive(
-                            k_free.at[lax.rem(first_step + step - 1, jnp.int32(stages))])
+                            free.at[lax.rem(first_step + step - 1, jnp.int32(stages))])
                 if multiply:
                     plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(
-                    k_free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
+                    free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
                 return acc_ref[...] if multiply else None
 
+            shape = (WGMMA_ROWS, bk)
             if multiply:
-                a = pl.run_scoped(product, plgpu.ACC((ROWS, bk), jnp.float32))
+                a = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
             else:  # the chunks are waited for and released all the same
                 product(None)
-                a = plgpu.layout_cast(jnp.zeros((ROWS, bk), jnp.float32),
-                                      plgpu.Layout.WGMMA)
+                a = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
             a = a * jnp.float32(scale)
             if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0,
-                                              layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1,
-                                              layout=plgpu.Layout.WGMMA)
+                rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                 cols = cols + tile * bk
                 seen = cols < geom.k_cols
                 if causal:  # column j seen by row i iff j <= i + (Lk - Lq) / S
-                    seen = seen & (cols <= rows + (row0 + geom.row_offset))
+                    seen = seen & (cols <= rows + (own_row0 + geom.row_offset))
                 a = jnp.where(seen, a, -jnp.inf)
             m = a.max(axis=1)
             sums = []
@@ -144,7 +175,7 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
                 out.at[1 + units][...] = functools.reduce(jnp.add, sums)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
-                                                      pl.ds(row0, ROWS)])
+                                                      pl.ds(own_row0, WGMMA_ROWS)])
             return carry
 
         lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
@@ -154,11 +185,13 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        for member in range(geom.stride):
-            for part in range(parts):
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, head, pl.ds(row0, ROWS), member, pl.ds(part * bd, bd)],
-                    q_smem.at[member * parts + part], q_ready)
+        if not streamed:
+            for member in range(geom.stride):
+                for part in range(parts):
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[batch, head, pl.ds(row0, plan.rows), member,
+                                 pl.ds(part * bd, bd)],
+                        q_smem.at[member * parts + part], q_ready)
         kv_head = lax.div(head, jnp.int32(geom.group))
         total = num_tiles * steps
 
@@ -167,23 +200,62 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, k
             tile = lax.div(index, jnp.int32(steps))
             step = lax.rem(index, jnp.int32(steps))
             member = lax.div(step, jnp.int32(parts))
-            part = lax.rem(step, jnp.int32(parts))
+            columns = pl.ds(lax.rem(step, jnp.int32(parts)) * bd, bd)
             slot = lax.rem(index, jnp.int32(stages))
-            owner = lax.rem(tile, jnp.int32(CONSUMERS))
 
             @pl.when(index >= stages)
             def _():
-                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(free.at[slot])
 
+            if streamed:
+                slot_ready = ready.at[slot]
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, head, pl.ds(row0, plan.rows), geom.stride - 1 - member,
+                             columns],
+                    q_smem.at[slot], slot_ready)
+            else:  # the ready barrier of the consumer owning the tile
+                slot_ready = ready.at[lax.rem(tile, jnp.int32(CONSUMERS)) * stages + slot]
             plgpu.copy_gmem_to_smem(
-                k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, pl.ds(part * bd, bd)],
-                k_smem.at[slot], k_ready.at[owner * stages + slot],
-                collective_axes=multicast)
+                k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns],
+                k_smem.at[slot], slot_ready, collective_axes=multicast)
 
-        # Observe the last releases too: every completed phase of k_free is waited for.
+        # Observe the last releases too: every completed phase of `free` is waited for.
         @pl.loop(jnp.maximum(total - stages, 0), total)
         def _(index):
-            plgpu.barrier_wait(k_free.at[lax.rem(index, jnp.int32(stages))])
+            plgpu.barrier_wait(free.at[lax.rem(index, jnp.int32(stages))])
+
+
+def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
+    """The kernel's scratch (`EstimatePlan.smem_bytes` counts it): queries (resident:
+    `[S x head_parts, 64, block_d]`; streamed: a ring `[stages, 128, block_d]`), the key
+    ring `[stages, block_k, block_d]`, statistics `[CONSUMERS, stat_planes, 64]` float32,
+    and the barriers q_ready (resident only), ready, free and lead (stagger only)."""
+    transforms = _tile_transforms(dtype)
+    keys = plgpu.SMEM((plan.stages, plan.block_k, plan.block_d), dtype,
+                      transforms=transforms)
+    stats = plgpu.SMEM((CONSUMERS, plan.stat_planes, WGMMA_ROWS), jnp.float32)
+    if plan.queries == "streamed":
+        return (
+            plgpu.SMEM((plan.stages, plan.rows, plan.block_d), dtype, transforms=transforms),
+            keys, stats,
+            None,
+            # ready: the slot's query and key chunks landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+            # free: both consumers are done with the slot
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=plan.stages),
+            plgpu.Barrier() if plan.stagger else None,  # lead: consumer 1 may start
+        )
+    chunks = plan.geom.stride * plan.head_parts
+    return (
+        plgpu.SMEM((chunks, plan.rows, plan.block_d), dtype, transforms=transforms),
+        keys, stats,
+        plgpu.Barrier(num_arrivals=chunks),  # q_ready: every query chunk landed
+        plgpu.Barrier(num_barriers=CONSUMERS * plan.stages),  # ready, per consumer
+        # free: a slot is refilled once its consumer in every CTA of the cluster is done
+        plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_barriers=plan.stages)
+        if plan.cluster > 1 else plgpu.Barrier(num_barriers=plan.stages),
+        None,  # lead
+    )
 
 
 def tile_stats(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
@@ -193,27 +265,14 @@ def tile_stats(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
     `[B, Hq, key_tiles, stat_planes, padded_rows]`; entries of tiles no row of a row tile
     sees (`estimate_plan.visible_tiles`) are not written."""
     geom = plan.geom
-    transforms = _tile_transforms(q.dtype)
-    chunks = geom.stride * plan.head_parts
     out_type = jax.ShapeDtypeStruct(
         (geom.batch, geom.q_heads, plan.key_tiles, plan.stat_planes, plan.padded_rows),
         jnp.float32)
-    scratch_types = (
-        plgpu.SMEM((chunks, ROWS, plan.block_d), q.dtype, transforms=transforms),
-        plgpu.SMEM((plan.stages, plan.block_k, plan.block_d), k.dtype,
-                   transforms=transforms),
-        plgpu.SMEM((CONSUMERS, plan.stat_planes, ROWS), jnp.float32),
-        plgpu.Barrier(num_arrivals=chunks),  # q_ready: every query chunk landed
-        plgpu.Barrier(num_barriers=CONSUMERS * plan.stages),  # k_ready, per consumer
-        # k_free: a slot is refilled once its consumer in every CTA of the cluster is done
-        plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_barriers=plan.stages)
-        if plan.cluster > 1 else plgpu.Barrier(num_barriers=plan.stages),
-    )
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale)
     return plgpu.kernel(
         body,
         out_type=out_type,
-        scratch_types=scratch_types,
+        scratch_types=_scratch_types(plan, q.dtype),
         grid=(geom.q_heads, geom.batch, plan.row_tiles // plan.cluster),
         grid_names=("heads", "batch", "row_groups"),
         cluster=(plan.cluster,),  # the last grid axis: consecutive row tiles
