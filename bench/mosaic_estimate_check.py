@@ -7,12 +7,12 @@
 A whole run may take more than 10 minutes (compilations: every case and variant is a
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
-(--queries / --block-k / --stages / --cluster: plan variants, each a comma-separated
-list, checked and timed in every combination, and with --stagger each combination with
-staggered consumers too (`estimate_plan.estimate_plan`; a combination the plan refuses
-at causal-64k, e.g. a cluster or stagger with the resident queries, prints its error
-once and is dropped); the default plan always runs first, and is not repeated as a
-variant. Default --queries resident,streamed: both layouts of the queries run
+(--queries / --block-k / --stages / --cluster / --stagger: plan variants, each a
+comma-separated list, checked and timed in every combination (`estimate_plan.
+estimate_plan`; options equal to their layout's default are folded away; a combination
+the plan refuses at causal-64k, e.g. a cluster or stagger with the resident queries,
+prints its error once and is dropped); the default plan always runs first, and is not
+repeated as a variant. Default --queries resident,streamed: both layouts of the queries run
 (`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of the
 resident layout run. Every line and table row names the plan's layout. --ptxas: Mosaic
 GPU prints ptxas' report of each kernel: registers, spills.)
@@ -265,19 +265,25 @@ def _ints(text: str | None) -> list[int | None]:
     return [None] if not text else [int(x) for x in text.split(",")]
 
 
-# The value each variant option takes in the default plan (stages: the most that fit)
-DEFAULT_OPTIONS = {"block_k": estimate_plan.BLOCK_K, "cluster": estimate_plan.CLUSTER,
-                   "queries": estimate_plan.QUERIES, "stagger": False}
 VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger")
+
+
+def default_options(queries: str) -> dict:
+    """The value each variant option takes in the default plan of the `queries` layout
+    (stages: the most that fit)."""
+    return {"queries": estimate_plan.QUERIES, "block_k": estimate_plan.BLOCK_K[queries],
+            "cluster": estimate_plan.CLUSTER,
+            "stagger": estimate_plan.STAGGER and queries == "streamed"}
 
 
 def plan_variants(layouts, block_k, stages, cluster, stagger=(None,)) -> list[dict]:
     """Every combination of the given values as plan options, without the options the
-    default plan has anyway, each once, the default plan itself left out."""
+    default plan of its layout has anyway, each once, the default plan itself left out."""
     variants = []
     for values in itertools.product(layouts, block_k, stages, cluster, stagger):
+        defaults = default_options(values[0] or estimate_plan.QUERIES)
         options = {key: value for key, value in zip(VARIANT_KEYS, values)
-                   if value is not None and DEFAULT_OPTIONS.get(key) != value}
+                   if value is not None and defaults.get(key) != value}
         if options and options not in variants:
             variants.append(options)
     return variants
@@ -292,8 +298,7 @@ def main() -> None:
     parser.add_argument("--stages", help="comma-separated stages values to try")
     parser.add_argument("--cluster", default="1,2,4",
                         help="comma-separated cluster sizes to try (default 1,2,4)")
-    parser.add_argument("--stagger", action="store_true",
-                        help="also every combination with staggered consumers")
+    parser.add_argument("--stagger", help="comma-separated stagger values to try (0, 1)")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -316,7 +321,8 @@ def main() -> None:
     # and the timing leaving stages out too; then the other variants.
     layouts = [{}] + plan_variants(queries, [None], [None], [None])
     variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
-                             _ints(args.cluster), (None, True) if args.stagger else (None,))
+                             _ints(args.cluster),
+                             [None if x is None else bool(x) for x in _ints(args.stagger)])
     variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "

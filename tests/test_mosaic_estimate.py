@@ -47,10 +47,11 @@ def _geom(batch, q_heads, kv_heads, q_len, k_len, head_dim, stride, block_size, 
      "no key_len"),
     (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"paged": True},
      "no paged"),
-    (Geometry(1, 4, 2, 1024, 1024, 128, 16, 128), jnp.bfloat16, {}, "shared memory"),
-    (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16, {}, "statistics"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 16, 128), jnp.bfloat16, {"queries": "resident"},
+     "shared memory"),
     (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16,
-     {"queries": "streamed"}, "statistics"),
+     {"queries": "resident"}, "statistics"),
+    (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16, {}, "statistics"),
 ])
 def test_plan_refuses_unsupported_calls(geom, dtype, options, rule):
     reason = estimate_plan.unsupported_reason(geom, dtype, **options)
@@ -65,9 +66,10 @@ def test_streamed_queries_fit_where_resident_ones_do_not():
     """S 16 at D 128: the resident queries alone (64 x 16 x 128 bf16) exceed the shared
     memory; streamed, the plan takes the most slots of query and key chunks that fit."""
     geom = Geometry(1, 4, 2, 1024, 1024, 128, 16, 128)
-    assert "shared memory" in estimate_plan.unsupported_reason(geom, jnp.bfloat16)
+    assert "shared memory" in estimate_plan.unsupported_reason(geom, jnp.bfloat16,
+                                                               queries="resident")
     assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, queries="streamed") is None
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="streamed")
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="streamed", block_k=128)
     assert (plan.queries, plan.rows, plan.stages) == ("streamed", 128, 6)
     with pytest.raises(ValueError, match="queries must be one of"):
         estimate_plan.unsupported_reason(geom, jnp.bfloat16, queries="tiled")
@@ -76,12 +78,15 @@ def test_streamed_queries_fit_where_resident_ones_do_not():
 def test_plan_defaults_fit_and_overrides_are_checked():
     geom = Geometry(1, 32, 8, 65536, 65536, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    assert (plan.queries, plan.block_k, plan.stagger) == ("streamed", 256, True)
     assert plan.smem_bytes(2) <= estimate_plan.SMEM_BYTES
-    deeper = estimate_plan.EstimatePlan(geom, plan.block_k, plan.block_d, plan.stages + 1)
+    deeper = dataclasses.replace(plan, stages=plan.stages + 1)
     assert (plan.stages == estimate_plan.MAX_STAGES
             or deeper.smem_bytes(2) > estimate_plan.SMEM_BYTES)
-    # 16 units of 16 columns per tile of 128: maximum, 16 sums, their total
-    assert (plan.unit, plan.units_per_tile, plan.stat_planes) == (16, 8, 10)
+    # 16 units of 16 columns per tile of 256: maximum, 16 sums, their total
+    assert (plan.unit, plan.units_per_tile, plan.stat_planes) == (16, 16, 18)
+    resident = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="resident")
+    assert (resident.block_k, resident.stagger) == (128, False)
     with pytest.raises(ValueError, match="block_k"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=96)
     with pytest.raises(ValueError, match="shared memory"):
@@ -97,7 +102,7 @@ def test_plan_defaults_fit_and_overrides_are_checked():
     with pytest.raises(ValueError, match="cluster must be 1 with queries='streamed'"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=2, queries="streamed")
     with pytest.raises(ValueError, match="stagger needs queries='streamed'"):
-        estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True)
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True, queries="resident")
 
 
 @pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 6), (256, 4)])
@@ -106,9 +111,10 @@ def test_streamed_plan_rows_and_ring(block_k, stages):
     is the deepest whose slots (query chunk [128, 64] + key chunk [block_k, 64]) fit, and
     the count is that of mosaic/smem.py's rules, buffer by buffer."""
     geom = Geometry(1, 32, 8, 1000, 65536, 128, 8, 128)
-    resident = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k)
+    resident = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
+                                           queries="resident")
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
-                                       queries="streamed")
+                                       queries="streamed", stagger=False)
     assert (resident.queries, resident.rows, resident.row_tiles) == ("resident", 64, 2)
     assert (plan.rows, plan.row_tiles, plan.padded_rows) == (128, 1, 128)
     assert plan.stages == stages
@@ -131,9 +137,9 @@ def test_shared_memory_is_counted_as_mosaic_gpu_does():
     gave: our count equals them, so such plans are no longer chosen."""
     for block_size, planes, refused in ((1024, 2, 232600), (512, 4, 233624)):
         geom = Geometry(1, 32, 8, 16384, 16384, 128, 8, block_size)
-        plan = estimate_plan.EstimatePlan(geom, 128, 64, 6)
+        plan = estimate_plan.EstimatePlan(geom, 128, 64, 6, queries="resident")
         assert plan.stat_planes == planes and plan.smem_bytes(2) == refused
-        assert estimate_plan.estimate_plan(geom, jnp.bfloat16).stages == 5
+        assert estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="resident").stages == 5
 
 
 @pytest.mark.parametrize("queries", QUERY_LAYOUTS)
@@ -172,7 +178,8 @@ needs_mosaic_gpu = pytest.mark.skipif(
     reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size), causal, plan options; each
-# case without a cluster is lowered with both layouts of the queries
+# case without a cluster is lowered with both layouts of the queries (the streamed ones
+# with their default block_k 256 where the case names none)
 LOWERING_CASES = [
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {}),
     ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {}),
@@ -185,12 +192,13 @@ LOWERING_CASES = [
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "product"}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "statistics"}),
 ]
-LOWERING_CASES += [(shape, causal, {**options, "queries": "streamed"})
-                   for shape, causal, options in LOWERING_CASES if "cluster" not in options]
+LOWERING_CASES = [(shape, causal, {**options, "queries": queries})
+                  for shape, causal, options in LOWERING_CASES for queries in QUERY_LAYOUTS
+                  if queries == "resident" or "cluster" not in options]
 LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepest ring
     ((1, 8, 2, 2048, 2048, 128, 16, 128), True, {"queries": "streamed"}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
-    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": True}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": False}),
 ]
 
 
@@ -241,15 +249,21 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # half padding; D 128 with a ring of 2 slots and Lq < Lk; block_k 128 and 256, float16;
 # staggered consumers (a lag of one step; of stages - 1 = 2, less than half a tile).
 INTERPRET_CASES = [
-    (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64}),
-    (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64}),
-    (1, 4, 2, 128, 384, 128, 2, 128, True, 1.0, {"block_k": 64, "stages": 2}),
-    (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128}),
-    (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0, {"block_k": 64, "stages": 2, "cluster": 2}),
-    (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0, {"block_k": 64, "cluster": 2}),
-    (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0, {"block_k": 64, "dtype": jnp.float16}),
-    (1, 2, 1, 300, 556, 64, 2, 64, True, 1.0, {"block_k": 64, "stages": 3, "cluster": 4}),
-    (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "streamed"}),
+    (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "resident"}),
+    (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "resident"}),
+    (1, 4, 2, 128, 384, 128, 2, 128, True, 1.0,
+     {"block_k": 64, "stages": 2, "queries": "resident"}),
+    (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0, {"block_k": 128, "queries": "resident"}),
+    (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0,
+     {"block_k": 64, "stages": 2, "cluster": 2, "queries": "resident"}),
+    (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0,
+     {"block_k": 64, "cluster": 2, "queries": "resident"}),
+    (1, 2, 1, 256, 384, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "dtype": jnp.float16, "queries": "resident"}),
+    (1, 2, 1, 300, 556, 64, 2, 64, True, 1.0,
+     {"block_k": 64, "stages": 3, "cluster": 4, "queries": "resident"}),
+    (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "stagger": False}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "streamed"}),
     (1, 4, 2, 128, 384, 128, 2, 128, True, 1.0,
      {"block_k": 64, "stages": 2, "queries": "streamed"}),
@@ -305,25 +319,26 @@ def test_timing_variant_without_products_reads_zero_scores(rand, queries):
     assert npr.rel_err(got, want) <= F32_RTOL, str(rand)
 
 
-# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options)
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options; {}: the
+# default plan, streamed queries at block_k 256 with staggered consumers)
 GPU_CASES = [
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident"}),
+    (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "resident"}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"queries": "resident"}),
+    (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {"queries": "resident"}),
+    (1, 4, 1, 777, 777, 128, 8, 128, True, {"queries": "resident"}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident", "cluster": 2}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False,
+     {"queries": "resident", "cluster": 2, "block_k": 256}),
+    (1, 32, 8, 4096, 8192, 128, 8, 512, True, {"queries": "resident", "cluster": 4}),
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {}),
-    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"block_k": 128}),
     (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {}),
-    (1, 4, 1, 777, 777, 128, 8, 128, True, {}),
-    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
-    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 2, "block_k": 256}),
-    (1, 32, 8, 4096, 8192, 128, 8, 512, True, {"cluster": 4}),
-    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "streamed"}),
-    (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "streamed"}),
-    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"queries": "streamed", "block_k": 256}),
-    (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {"queries": "streamed"}),
-    (1, 4, 1, 777, 777, 128, 8, 128, True, {"queries": "streamed", "block_k": 256}),
-    (1, 8, 2, 2048, 2048, 128, 16, 128, True, {"queries": "streamed"}),
-    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "streamed", "stagger": True}),
-    (2, 8, 2, 2000, 3024, 128, 8, 256, False,
-     {"queries": "streamed", "block_k": 256, "stagger": True}),
+    (1, 4, 1, 777, 777, 128, 8, 128, True, {"stagger": False}),
+    (1, 8, 2, 2048, 2048, 128, 16, 128, True, {}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"stagger": False}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"block_k": 128, "stagger": False}),
 ]
 
 

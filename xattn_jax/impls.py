@@ -10,11 +10,11 @@ and nowhere else.
   (sections 1-3) on a contiguous k with all keys in use (a ValueError names what else a
   call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
-  "triton" on a GPU (also on Hopper: the Mosaic block sums measured 3-15% slower than
-  the Triton kernel on the H200, `bench/results/mosaic_estimate_h200.md`), "reference"
-  elsewhere; for attention "mosaic" where it can run
-  and takes the call's arguments (dtype, head dim, block size, page size), else
-  "reference".
+  "mosaic" on Hopper, its block sums running the Triton kernel for the calls they do not
+  take (the Mosaic block sums measured 7-10% faster than the Triton kernel on the H200,
+  `bench/results/mosaic_estimate_h200.md`), "triton" on other GPUs, "reference"
+  elsewhere; for attention "mosaic" where it can run and takes the call's arguments
+  (dtype, head dim, block size, page size), else "reference".
 
 The device is that of the first concrete `jax.Array` among the inputs; inside a trace
 (a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend
@@ -46,10 +46,12 @@ _reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """A resolved implementation: "reference", "triton" (with `interpret` off a GPU) or
-    "mosaic" (attention)."""
+    "mosaic" (with `fallback`, as "auto" resolves on Hopper: block sums the Mosaic
+    kernel does not take run the Triton kernel instead of raising)."""
 
     name: str
     interpret: bool = False
+    fallback: bool = False
 
     def block_sparse_attention(self, q, k, v, mask, **kwargs):
         """Section 6 (arguments of `reference.block_sparse_attention`)."""
@@ -76,9 +78,13 @@ class Implementation:
             return reference.block_sums(q, keys, geom, causal=causal, norm=norm,
                                         key_len=key_len)
         if self.name == "mosaic":
-            return _mosaic_block_sums(q, k, geom=geom, causal=causal, norm=norm,
-                                      key_len=key_len, block_table=block_table,
-                                      max_scratch_bytes=max_scratch_bytes)
+            plan, reason = _mosaic_plan(geom, q.dtype, key_len, block_table,
+                                        max_scratch_bytes)
+            if plan is not None:
+                from xattn_jax.mosaic import block_sums as mosaic_sums  # imports Mosaic GPU
+                return mosaic_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm)
+            if not self.fallback:
+                raise ValueError(reason)
         plan = plan_block_sums(geom, q.dtype, causal, interpret=self.interpret,
                                max_scratch_bytes=max_scratch_bytes)
         return triton_block_sums.block_sums(
@@ -95,22 +101,21 @@ class Implementation:
         return triton_select.select_blocks(sums, threshold, plan=plan, **rules)
 
 
-def _mosaic_block_sums(q, k, *, geom: Geometry, causal: bool, norm: float, key_len,
-                       block_table, max_scratch_bytes: int | None) -> jax.Array:
-    """The Mosaic block sums, or a ValueError saying why they cannot take this call."""
+def _mosaic_plan(geom: Geometry, dtype, key_len, block_table, max_scratch_bytes):
+    """`(plan, None)` of the Mosaic block sums for this call, or `(None, reason)` saying
+    why they cannot take it."""
     from xattn_jax.mosaic import estimate_plan  # plain Python, no Mosaic GPU
 
-    reason = estimate_plan.unsupported_reason(geom, q.dtype, key_len=key_len is not None,
+    reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len is not None,
                                               paged=block_table is not None)
     if reason is not None:
-        raise ValueError(f"{reason}; impl='triton' or 'auto' take this call")
-    plan = estimate_plan.estimate_plan(geom, q.dtype)
+        return None, f"{reason}; impl='triton' or 'auto' take this call"
+    plan = estimate_plan.estimate_plan(geom, dtype)
     if max_scratch_bytes is not None and plan.scratch_bytes > max_scratch_bytes:
-        raise ValueError(f"impl='mosaic' block sums need {plan.scratch_bytes} bytes of "
-                         f"statistics, over max_scratch_bytes={max_scratch_bytes}; "
-                         f"impl='triton' works within the bound")
-    from xattn_jax.mosaic import block_sums as mosaic_block_sums  # imports Mosaic GPU
-    return mosaic_block_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm)
+        return None, (f"impl='mosaic' block sums need {plan.scratch_bytes} bytes of "
+                      f"statistics, over max_scratch_bytes={max_scratch_bytes}; "
+                      f"impl='triton' works within the bound")
+    return plan, None
 
 
 def device_of(*arrays) -> jax.Device | None:
@@ -158,6 +163,8 @@ def resolve(impl: str | Implementation, *arrays, op: str = ESTIMATE,
         return Implementation("mosaic")
     if impl == "reference" or (impl == "auto" and not on_gpu):
         return Implementation("reference")
+    if impl == "auto" and mosaic.available(device) is None:
+        return Implementation("mosaic", fallback=True)
     return Implementation("triton", interpret=not on_gpu)
 
 

@@ -1,6 +1,6 @@
 """Pallas Mosaic GPU kernels for Hopper (sm_90): block-sparse attention on the estimate's
 mask (`xattn_jax.mosaic.attention`) and the estimate's fused block sums
-(`xattn_jax.mosaic.block_sums`: impl="mosaic"; "auto" keeps the faster Triton kernel).
+(`xattn_jax.mosaic.block_sums`: impl="mosaic", and "auto" on Hopper).
 
 Importing this package never imports Mosaic GPU (it fails to import on some jax/CPU
 installs); `available()` says whether the kernels can run.

@@ -22,11 +22,11 @@ per key tile):
   step, and consumer w multiplies rows 64w .. 64w + 63 of it (GEMM style: every key byte
   written to shared memory serves 128 rows, and the ring gets the room the resident
   queries took). Both consumers compute every key tile; no clusters. With `stagger`
-  (a variant to be measured), consumer 1 starts `lag_steps` steps after consumer 0, so
-  that each one's statistics may overlap the other's products.
+  (the default), consumer 1 starts `lag_steps` steps after consumer 0, so that each
+  one's statistics may overlap the other's products.
 
-Tuned values are first guesses, to be measured on the H200 with
-`python -m bench.mosaic_estimate_check`.
+Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
+(`bench/results/mosaic_estimate_h200.md`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,13 @@ CONSUMERS = 2  # consumer warpgroups
 # the consumers taking the key tiles in turns) or streamed through the ring with the keys
 # ("streamed", CONSUMERS x WGMMA_ROWS rows per CTA, each consumer its 64 rows of every tile)
 QUERY_LAYOUTS = ("resident", "streamed")
-QUERIES = "resident"  # the default layout; to be measured against "streamed"
-BLOCK_K = 128  # reshaped key columns per key tile (wgmma N); to be measured
+# The defaults, measured on the H200 (bench/results/mosaic_estimate_h200.md, third run):
+# streamed queries at block_k 256 with staggered consumers ran causal 32K / 64K and
+# non-causal 64K 7-10% under the Triton kernel, the resident queries at block_k 128
+# 0-19% over it (block_k 256 spills their registers: 1.4-1.9x slower).
+QUERIES = "streamed"
+BLOCK_K = {"resident": 128, "streamed": 256}  # reshaped key columns per key tile (wgmma N)
+STAGGER = True  # the streamed queries' default
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
@@ -182,7 +187,7 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     if key_len or paged:
         return ("impl='mosaic' block sums read a contiguous k with all keys in use "
                 "(no key_len, no paged cache) in this version")
-    plan = EstimatePlan(geom, BLOCK_K, BLOCK_D, MIN_STAGES, queries=queries)
+    plan = EstimatePlan(geom, BLOCK_K[queries], BLOCK_D, MIN_STAGES, queries=queries)
     smem = plan.smem_bytes(dtype.itemsize)
     if smem > SMEM_BYTES:
         return (f"impl='mosaic' with {queries} queries ({plan.rows} rows x stride "
@@ -197,15 +202,17 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   stages: int | None = None, cluster: int | None = None,
                   leave_out: str | None = None, queries: str | None = None,
-                  stagger: bool = False) -> EstimatePlan:
+                  stagger: bool | None = None) -> EstimatePlan:
     """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages,
-    cluster (in CLUSTERS; the streamed queries take 1 only) and queries (in
-    QUERY_LAYOUTS) override the defaults (tuning runs); the default stages are the most
-    that fit in shared memory, at most MAX_STAGES. leave_out: a timing variant
-    (LEAVE_OUT); stagger: the staggered consumers (streamed queries only). Raises
-    ValueError for arguments the kernel does not take (`unsupported_reason`) and
-    overrides that do not fit."""
+    cluster (in CLUSTERS; the streamed queries take 1 only), queries (in QUERY_LAYOUTS)
+    and stagger (the staggered consumers, streamed queries only) override the defaults
+    (tuning runs): QUERIES, BLOCK_K of the layout, STAGGER with the streamed queries, and
+    the most stages that fit in shared memory, at most MAX_STAGES. leave_out: a timing
+    variant (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
+    (`unsupported_reason`) and overrides that do not fit."""
     queries = QUERIES if queries is None else queries
+    if stagger is None:
+        stagger = STAGGER and queries == "streamed"
     reason = unsupported_reason(geom, dtype, queries=queries)
     if reason is not None:
         raise ValueError(reason)
@@ -220,7 +227,7 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stagger and queries != "streamed":
         raise ValueError("stagger needs queries='streamed' (the resident queries' "
                          f"consumers take the key tiles in turns); got {queries!r}")
-    block_k = BLOCK_K if block_k is None else block_k
+    block_k = BLOCK_K[queries] if block_k is None else block_k
     if block_k % 64 or not 64 <= block_k <= MAX_BLOCK_K:
         raise ValueError(f"block_k must be a multiple of 64 in [64, {MAX_BLOCK_K}]; got "
                          f"{block_k}")
