@@ -23,6 +23,7 @@ from xattn_jax.impls import Implementation
 
 QK_LAYOUTS = ("B H ...", "B K ...")  # q, k (`partitioning.on_shards`)
 _ESTIMATE_CALLS = CheckedCalls()  # xattn_estimate's prepared calls
+_SELECT_CALLS = CheckedCalls()  # select_blocks' prepared calls
 
 
 def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float = 1.0,
@@ -50,14 +51,18 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
     Unchecked values (a jax.Array threshold, whose values are not read; `xattn_jax.checked`
     checks them): as in `xattn_estimate`.
     """
-    check_block_sums(block_sums)
-    t = threshold_per_head(threshold, block_sums.shape[1])
-    run = partitioning.on_shards(_select, ("B H ...", "H"),
-                                 causal=check_flag("causal", causal),
-                                 keep_sink=check_flag("keep_sink", keep_sink),
-                                 keep_recent=check_flag("keep_recent", keep_recent),
-                                 impl=impls.resolve(impl, block_sums))
-    return run(block_sums, t)
+    options = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent, impl=impl)
+    key = _SELECT_CALLS.signature((block_sums,), options)
+    run = _SELECT_CALLS.get(key)
+    if run is None:
+        check_block_sums(block_sums)
+        run = partitioning.on_shards(_select, ("B H ...", "H"),
+                                     causal=check_flag("causal", causal),
+                                     keep_sink=check_flag("keep_sink", keep_sink),
+                                     keep_recent=check_flag("keep_recent", keep_recent),
+                                     impl=impls.resolve(impl, block_sums))
+        _SELECT_CALLS.put(key, run)
+    return run(block_sums, threshold_per_head(threshold, block_sums.shape[1]))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent", "impl"))
