@@ -1,9 +1,10 @@
 """The warp-specialized Mosaic GPU kernel of the estimate's row statistics per key tile
 (docs/estimate.md sections 1-3; the statistics of `xattn_jax.triton.one_pass`).
 
-One CTA = `plan.rows` reshaped query rows of one (batch, query head) (a row tile) + two
-consumer warpgroups + one producer warpgroup. Section 1 as one product with K = S x D:
-with q viewed as `[B, Hq, rows, S, D]` and k as `[B, Hkv, cols, S, D]` (free reshapes),
+One CTA = `plan.rows` reshaped query rows of one (batch, query head) (a row tile; two
+with paired row tiles, below) + two consumer warpgroups + one producer warpgroup.
+Section 1 as one product with K = S x D: with q viewed as `[B, Hq, rows, S, D]` and k as
+`[B, Hkv, cols, S, D]` (free reshapes),
 
     A[r, c] = sum_s q[r, S-1-s, :] . k[c, s, :] * scale
 
@@ -29,6 +30,18 @@ consumers reading it released it. Two layouts of the queries (`plan.queries`):
   which the tensor cores wait for while the ring fills; with `plan.stagger`, consumer 1
   waits until consumer 0 has issued `plan.lag_steps` steps of its first tile (a barrier
   arrived on once), and the shared ring keeps it at most `stages` steps behind.
+
+Paired row tiles (`plan.pair_rows`, streamed queries, causal calls only: a non-causal
+call's row tiles all walk every key tile, and it runs one per CTA): the CTA with index g
+on the grid's row axis (`plan.row_groups`: ceil(R / 2) per head, R = `plan.row_tiles`)
+walks row tiles g and R - 1 - g (`estimate_plan.paired_row_tiles`) one after the other,
+about R + 1 key tiles in all whatever g; an odd R's middle row tile is alone in the last
+CTA. The producer streams the first row tile's chunks, then the second's, and the
+consumers compute their rows of each (own first row, masked tiles, stores per row tile as
+above); the CTA's step count goes on across the two, so the ring's slots and barrier
+phases simply continue (no barrier is initialized twice), and the stagger barrier is
+arrived on once, in the CTA's first key tile. Unpaired, the grid runs the row tiles that
+see the most key tiles first.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
 wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
@@ -76,20 +89,21 @@ CLUSTER_AXIS = "cluster"
 
 
 def _cta_row_tiles(plan: EstimatePlan, causal: bool):
-    """The row tiles this CTA walks, in order: (count, of) with count a Python int 1 or
-    (paired row tiles, `estimate_plan.paired_row_tiles`) a traced 1 or 2, and of(j) ->
-    (row0, num_tiles): the first reshaped query row of its j-th row tile (a traced j with
-    the paired ones) and the key tiles it walks for it. Unpaired: the clusters run long
-    row tiles first, and the CTAs of a cluster walk the tiles its last row tile sees."""
+    """The row tiles this CTA walks, in order: (count, row_tile) with count the Python
+    int 1, or with paired row tiles (`estimate_plan.paired_row_tiles`) a traced int32 1
+    or 2, and row_tile(j) -> (row0, num_tiles) for its j-th row tile (j: 0, or a traced
+    int32 with the paired ones): the tile's first reshaped query row and the key tiles
+    the CTA walks for it (int32 scalars). Unpaired: the clusters run long row tiles
+    first, and the CTAs of a cluster walk the key tiles its last row tile sees."""
     group = lax.axis_index("row_groups")
     if plan.paired(causal):
         pair = paired_row_tiles(plan, group)
 
-        def paired(j):
+        def nth(j):
             row0 = jnp.where(j == 0, *pair) * plan.rows
             return row0, visible_tiles(plan, causal, row0)
 
-        return jnp.where(pair[0] == pair[1], 1, 2), paired
+        return jnp.where(pair[0] == pair[1], 1, 2), nth
     first_tile = (plan.row_groups(causal) - 1 - group) * plan.cluster  # long first
     row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
     num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * plan.rows)
