@@ -26,11 +26,11 @@ per key tile):
   one's statistics may overlap the other's products. With `pair_rows` (causal calls
   only; off by default until timed), a CTA walks two row tiles one after the other, i
   and R - 1 - i of the R row tiles of its (batch, query head), so that every CTA walks
-  about R + 1 key tiles of the causal triangle (`paired_row_tiles`; an odd R's middle
-  row tile is alone in its CTA) on a grid of ceil(R / 2) CTAs per head
-  (`EstimatePlan.row_groups`). The plan does not know whether a call is causal: a
-  non-causal call, whose row tiles all walk every key tile, ignores the flag (one row
-  tile per CTA).
+  about the same number of key tiles of the causal triangle whatever i (R + 1 with
+  block_k = 128 and Lq = Lk; `paired_row_tiles`; an odd R's middle row tile is alone
+  in its CTA) on a grid of ceil(R / 2) CTAs per head (`EstimatePlan.row_groups`). The
+  plan does not know whether a call is causal: a non-causal call, whose row tiles all
+  walk every key tile, ignores the flag (one row tile per CTA).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -114,7 +114,8 @@ class EstimatePlan(UnitSums):
 
     @property
     def row_tiles(self) -> int:
-        """CTAs per (batch, query head): whole clusters."""
+        """Row tiles of `rows` rows per (batch, query head), a CTA each unless paired:
+        whole clusters."""
         return cdiv(self.geom.q_rows, self.rows * self.cluster) * self.cluster
 
     def paired(self, causal: bool) -> bool:
@@ -303,8 +304,9 @@ def paired_row_tiles(plan: EstimatePlan, group):
     """The row tiles a CTA of a call with paired row tiles (`EstimatePlan.paired`) walks,
     in order: `group` (its index on the grid's row axis, in [0, row_groups): a Python
     int, a traced int32 scalar or an int32 array) and R - 1 - `group` (R = row_tiles),
-    which see about R + 1 key tiles together in a causal call. The two are the same row
-    tile for the middle one of an odd R, walked once: the last CTA, the shortest."""
+    which see about as many key tiles together in a causal call whatever `group`. The
+    two are the same row tile for the middle one of an odd R, walked once: the last CTA,
+    the shortest."""
     group = jnp.asarray(group, jnp.int32)
     return group, plan.row_tiles - 1 - group
 

@@ -35,13 +35,13 @@ Paired row tiles (`plan.pair_rows`, streamed queries, causal calls only: a non-c
 call's row tiles all walk every key tile, and it runs one per CTA): the CTA with index g
 on the grid's row axis (`plan.row_groups`: ceil(R / 2) per head, R = `plan.row_tiles`)
 walks row tiles g and R - 1 - g (`estimate_plan.paired_row_tiles`) one after the other,
-about R + 1 key tiles in all whatever g; an odd R's middle row tile is alone in the last
-CTA. The producer streams the first row tile's chunks, then the second's, and the
-consumers compute their rows of each (own first row, masked tiles, stores per row tile as
-above); the CTA's step count goes on across the two, so the ring's slots and barrier
-phases simply continue (no barrier is initialized twice), and the stagger barrier is
-arrived on once, in the CTA's first key tile. Unpaired, the grid runs the row tiles that
-see the most key tiles first.
+about the same number of key tiles in all whatever g (R + 1 at block_k 128 and Lq =
+Lk); an odd R's middle row tile is alone in the last CTA. The producer streams the first
+row tile's chunks, then the second's, and the consumers compute their rows of each (own
+first row, masked tiles, stores per row tile as above); the CTA's step count goes on
+across the two, so the ring's slots and barrier phases simply continue (no barrier is
+initialized twice), and the stagger barrier is arrived on once, in the CTA's first key
+tile. Unpaired, the grid runs the row tiles that see the most key tiles first.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
 wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
