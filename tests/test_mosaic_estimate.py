@@ -316,7 +316,7 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # 14 steps wrapping its ring of 8 slots, consumer 0 computing tiles none of its rows
 # sees in both of its row tiles; R = 4 with Lq < Lk, unstaggered, the second row tile
 # starting mid-ring (step 4 of a ring of 3); an odd R with Lq < Lk, D 128 and a ring of
-# 2 slots.
+# 2 slots; a non-causal call, which ignores the flag (R = 3, one row tile per CTA).
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "resident"}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "resident"}),
@@ -350,6 +350,8 @@ INTERPRET_CASES = [
       "pair_rows": True}),
     (1, 4, 2, 1300, 1812, 128, 4, 512, True, 1.0,
      {"block_k": 128, "stages": 2, "queries": "streamed", "pair_rows": True}),
+    (1, 2, 1, 600, 700, 64, 2, 32, False, 1.0,
+     {"block_k": 64, "queries": "streamed", "pair_rows": True}),
 ]
 
 
