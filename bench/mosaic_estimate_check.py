@@ -1,14 +1,15 @@
 """GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums), one run.
 
     python -m bench.mosaic_estimate_check [--queries resident,streamed]
-        [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger]
-        [--cases causal-32k,...] [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
+        [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger 0,1]
+        [--pair-rows 0,1] [--cases causal-32k,...] [--skip-check] [--skip-time]
+        [--no-smoke] [--ptxas]
 
 A whole run may take more than 10 minutes (compilations: every case and variant is a
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
-(--queries / --block-k / --stages / --cluster / --stagger: plan variants, each a
-comma-separated list, checked and timed in every combination (`estimate_plan.
+(--queries / --block-k / --stages / --cluster / --stagger / --pair-rows: plan variants,
+each a comma-separated list, checked and timed in every combination (`estimate_plan.
 estimate_plan`; options equal to their layout's default are folded away; a combination
 the plan refuses at causal-64k, e.g. a cluster or stagger with the resident queries,
 prints its error once and is dropped); the default plan always runs first, and is not
@@ -21,7 +22,8 @@ GPU prints ptxas' report of each kernel: registers, spills.)
    subprocess with a time limit, so that a kernel that hangs (a barrier protocol error)
    is reported as such instead of stalling the run; variants that hang are dropped.
 2. Correctness, bf16, D 128, stride 8, GQA 32:8, fresh random inputs per case (every
-   case with the default plan of each layout, the other variants on the first two):
+   case with the default plan of each layout, the other variants on the first two, those
+   with paired row tiles on every causal case: they change only causal calls):
    against the plain-JAX reference (run one KV group of heads at a time, so that 64K fits) and
    the Triton kernel: relative error (max |diff| / max |reference|, bound 5e-5 as the GPU
    tests), NaNs, rows summing to their real reshaped rows, causal blocks after the
@@ -79,6 +81,7 @@ CHECK_CASES = [
     ("causal 32K b128", 6, (1, 32, 8, 32768, 32768, 128), True),
     ("causal 64K b64", 7, (1, 32, 8, 65536, 65536, 64), True),
     ("non-causal 64K b512", 8, (1, 32, 8, 65536, 65536, 512), False),
+    ("causal odd Lq 2900 < Lk 4948 b128", 9, (1, 32, 8, 2900, 4948, 128), True),
 ]
 
 
@@ -160,11 +163,20 @@ def check_case(name, seed, shape, causal, **plan_options) -> bool:
     return ok
 
 
+def variant_cases(options: dict) -> list:
+    """The check cases of a variant other than a layout's default plan: with paired row
+    tiles, every causal case (3 row tiles of 128 rows in the odd one); else a causal and
+    a non-causal case."""
+    if options.get("pair_rows"):
+        return [case for case in CHECK_CASES if case[3]]
+    return CHECK_CASES[:2]
+
+
 def run_checks(layouts, variants) -> None:
     """Every case with each layout's default plan (`layouts`: plan options), each other
-    variant on a causal and a non-causal case."""
+    variant on its `variant_cases`."""
     runs = [(options, CHECK_CASES, 0) for options in layouts]
-    runs += [(options, CHECK_CASES[:2], 100) for options in variants]
+    runs += [(options, variant_cases(options), 100) for options in variants]
     for options, cases, seed_offset in runs:
         for name, seed, shape, causal in cases:
             try:
@@ -265,7 +277,11 @@ def _ints(text: str | None) -> list[int | None]:
     return [None] if not text else [int(x) for x in text.split(",")]
 
 
-VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger")
+def _flags(text: str | None) -> list[bool | None]:
+    return [None if x is None else bool(x) for x in _ints(text)]
+
+
+VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger", "pair_rows")
 
 
 def default_options(queries: str) -> dict:
@@ -273,14 +289,16 @@ def default_options(queries: str) -> dict:
     (stages: the most that fit)."""
     return {"queries": estimate_plan.QUERIES, "block_k": estimate_plan.BLOCK_K[queries],
             "cluster": estimate_plan.CLUSTER,
-            "stagger": estimate_plan.STAGGER and queries == "streamed"}
+            "stagger": estimate_plan.STAGGER and queries == "streamed",
+            "pair_rows": estimate_plan.PAIR_ROWS}
 
 
-def plan_variants(layouts, block_k, stages, cluster, stagger=(None,)) -> list[dict]:
+def plan_variants(layouts, block_k, stages, cluster, stagger=(None,),
+                  pair_rows=(None,)) -> list[dict]:
     """Every combination of the given values as plan options, without the options the
     default plan of its layout has anyway, each once, the default plan itself left out."""
     variants = []
-    for values in itertools.product(layouts, block_k, stages, cluster, stagger):
+    for values in itertools.product(layouts, block_k, stages, cluster, stagger, pair_rows):
         defaults = default_options(values[0] or estimate_plan.QUERIES)
         options = {key: value for key, value in zip(VARIANT_KEYS, values)
                    if value is not None and defaults.get(key) != value}
@@ -299,6 +317,9 @@ def main() -> None:
     parser.add_argument("--cluster", default="1,2,4",
                         help="comma-separated cluster sizes to try (default 1,2,4)")
     parser.add_argument("--stagger", help="comma-separated stagger values to try (0, 1)")
+    parser.add_argument("--pair-rows",
+                        help="comma-separated pair_rows values to try (0, 1): two row "
+                             "tiles per CTA in causal calls, streamed queries only")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -321,8 +342,8 @@ def main() -> None:
     # and the timing leaving stages out too; then the other variants.
     layouts = [{}] + plan_variants(queries, [None], [None], [None])
     variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
-                             _ints(args.cluster),
-                             [None if x is None else bool(x) for x in _ints(args.stagger)])
+                             _ints(args.cluster), _flags(args.stagger),
+                             _flags(args.pair_rows))
     variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "

@@ -105,6 +105,61 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True, queries="resident")
 
 
+def test_pair_rows_plan_and_refusals():
+    """pair_rows: off by default; the same scratch; ceil(R / 2) CTAs per head in causal
+    calls only (non-causal calls ignore it: one row tile per CTA); streamed queries with
+    cluster 1 only."""
+    geom = Geometry(1, 32, 8, 65536, 65536, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    paired = estimate_plan.estimate_plan(geom, jnp.bfloat16, pair_rows=True)
+    assert (plan.pair_rows, paired.pair_rows) == (False, True)
+    assert dataclasses.replace(paired, pair_rows=False) == plan
+    assert paired.smem_bytes(2) == plan.smem_bytes(2)
+    assert plan.row_tiles == 64
+    assert (plan.row_groups(True), plan.row_groups(False)) == (64, 64)
+    assert (paired.row_groups(True), paired.row_groups(False)) == (32, 64)
+    assert (paired.paired(True), paired.paired(False), plan.paired(True)) == (True, False,
+                                                                             False)
+    odd = estimate_plan.estimate_plan(Geometry(1, 4, 2, 2900, 4948, 128, 8, 128),
+                                      jnp.bfloat16, pair_rows=True)
+    assert (odd.row_tiles, odd.row_groups(True), odd.row_groups(False)) == (3, 2, 3)
+    resident = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="resident",
+                                           cluster=2)
+    assert (resident.row_tiles, resident.row_groups(True)) == (128, 64)  # clusters
+    rule = "pair_rows needs queries='streamed' and cluster 1"
+    for options in ({"queries": "resident"}, {"queries": "resident", "cluster": 2},
+                    {"queries": "streamed", "cluster": 2}):
+        with pytest.raises(ValueError, match=rule):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, pair_rows=True, **options)
+
+
+@pytest.mark.parametrize("q_len, k_len, stride, block_size, block_k", [
+    (65536, 65536, 8, 128, 256), (2900, 4948, 8, 128, 256), (600, 600, 2, 32, 64),
+    (1300, 1812, 4, 512, 128), (1000, 1256, 2, 64, 128), (1024, 1024, 8, 128, 128)])
+def test_paired_row_tiles_balance_the_causal_triangle(q_len, k_len, stride, block_size,
+                                                      block_k):
+    """With pair_rows, CTA g walks row tiles g and R - 1 - g (the middle one of an odd R
+    alone, last): every row tile once, and the CTAs of two row tiles walk key tiles in
+    numbers at most 1 apart, the lone one no more than any of them."""
+    geom = _geom(1, 2, 1, q_len, k_len, 64, stride, block_size, True)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k, pair_rows=True)
+    groups = np.arange(plan.row_groups(True))
+    first, second = map(np.asarray, estimate_plan.paired_row_tiles(plan, groups))
+    np.testing.assert_array_equal(first, groups)
+    np.testing.assert_array_equal(second, plan.row_tiles - 1 - groups)
+    alone = first == second
+    assert list(np.flatnonzero(alone)) == ([groups[-1]] if plan.row_tiles % 2 else [])
+    np.testing.assert_array_equal(np.sort(np.concatenate([first, second[~alone]])),
+                                  np.arange(plan.row_tiles))
+    tiles = np.asarray(estimate_plan.visible_tiles(plan, True, np.arange(plan.row_tiles)
+                                                   * plan.rows))
+    pairs = (tiles[first] + tiles[second])[~alone]
+    if len(pairs):
+        assert pairs.max() - pairs.min() <= 1, pairs
+    if alone.any():
+        assert tiles[first[alone]].item() <= (pairs.min() if len(pairs) else tiles.max())
+
+
 @pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 6), (256, 4)])
 def test_streamed_plan_rows_and_ring(block_k, stages):
     """128 rows per CTA (64 per consumer, 64 for the resident queries); the default ring
@@ -200,6 +255,14 @@ LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepes
     ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": False}),
 ]
+LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
+    # unstaggered; a non-causal call (which ignores the flag)
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"pair_rows": True}),
+    ((1, 4, 2, 2900, 4948, 128, 8, 128), True, {"pair_rows": True}),
+    ((1, 8, 2, 6144, 6144, 128, 16, 256), True, {"pair_rows": True}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"pair_rows": True, "stagger": False}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {"pair_rows": True}),
+]
 
 
 def _lower(shape, causal, plan):
@@ -248,6 +311,12 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # consumer 0 computes a tile none of its rows sees; odd lengths, the row tile's second
 # half padding; D 128 with a ring of 2 slots and Lq < Lk; block_k 128 and 256, float16;
 # staggered consumers (a lag of one step; of stages - 1 = 2, less than half a tile).
+# Paired row tiles (pair_rows, causal; no row sees nothing, Lq <= Lk: each walks tile 0
+# at least): an odd R = 3, the middle row tile alone in the second CTA, the first CTA's
+# 14 steps wrapping its ring of 8 slots, consumer 0 computing tiles none of its rows
+# sees in both of its row tiles; R = 4 with Lq < Lk, unstaggered, the second row tile
+# starting mid-ring (step 4 of a ring of 3); an odd R with Lq < Lk, D 128 and a ring of
+# 2 slots; a non-causal call, which ignores the flag (R = 3, one row tile per CTA).
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "resident"}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "resident"}),
@@ -274,6 +343,15 @@ INTERPRET_CASES = [
      {"block_k": 64, "queries": "streamed", "stagger": True}),
     (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
      {"block_k": 64, "stages": 3, "queries": "streamed", "stagger": True}),
+    (1, 2, 1, 600, 600, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "pair_rows": True}),
+    (1, 2, 1, 1000, 1256, 64, 2, 64, True, 1.0,
+     {"block_k": 128, "stages": 3, "queries": "streamed", "stagger": False,
+      "pair_rows": True}),
+    (1, 4, 2, 1300, 1812, 128, 4, 512, True, 1.0,
+     {"block_k": 128, "stages": 2, "queries": "streamed", "pair_rows": True}),
+    (1, 2, 1, 600, 700, 64, 2, 32, False, 1.0,
+     {"block_k": 64, "queries": "streamed", "pair_rows": True}),
 ]
 
 
@@ -320,7 +398,8 @@ def test_timing_variant_without_products_reads_zero_scores(rand, queries):
 
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options; {}: the
-# default plan, streamed queries at block_k 256 with staggered consumers)
+# default plan, streamed queries at block_k 256 with staggered consumers; pair_rows: R =
+# 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it)
 GPU_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident"}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "resident"}),
@@ -339,6 +418,10 @@ GPU_CASES = [
     (1, 8, 2, 2048, 2048, 128, 16, 128, True, {}),
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"stagger": False}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"block_k": 128, "stagger": False}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"pair_rows": True}),
+    (2, 8, 2, 2900, 4948, 128, 8, 128, True, {"pair_rows": True}),
+    (1, 8, 2, 6144, 6144, 128, 16, 256, True, {"pair_rows": True}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"pair_rows": True}),
 ]
 
 

@@ -23,7 +23,14 @@ per key tile):
   written to shared memory serves 128 rows, and the ring gets the room the resident
   queries took). Both consumers compute every key tile; no clusters. With `stagger`
   (the default), consumer 1 starts `lag_steps` steps after consumer 0, so that each
-  one's statistics may overlap the other's products.
+  one's statistics may overlap the other's products. With `pair_rows` (causal calls
+  only; off by default until timed), a CTA walks two row tiles one after the other, i
+  and R - 1 - i of the R row tiles of its (batch, query head), so that every CTA walks
+  about the same number of key tiles of the causal triangle whatever i (R + 1 with
+  block_k = 128 and Lq = Lk; `paired_row_tiles`; an odd R's middle row tile is alone
+  in its CTA) on a grid of ceil(R / 2) CTAs per head (`EstimatePlan.row_groups`). The
+  plan does not know whether a call is causal: a non-causal call, whose row tiles all
+  walk every key tile, ignores the flag (one row tile per CTA).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -55,6 +62,7 @@ QUERY_LAYOUTS = ("resident", "streamed")
 QUERIES = "streamed"
 BLOCK_K = {"resident": 128, "streamed": 256}  # reshaped key columns per key tile (wgmma N)
 STAGGER = True  # the streamed queries' default
+PAIR_ROWS = False  # two row tiles per CTA in causal calls (streamed queries); to be timed
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
@@ -83,7 +91,9 @@ class EstimatePlan(UnitSums):
     consecutive row tiles sharing the key chunks; leave_out: None, or a stage of
     LEAVE_OUT that the kernel skips (timing only); queries: the layout of the queries,
     one of QUERY_LAYOUTS; stagger (streamed queries only): consumer 1 starts
-    `lag_steps` steps late.
+    `lag_steps` steps late; pair_rows (streamed queries only, ignored by non-causal
+    calls): each CTA of a causal call walks row tiles i and R - 1 - i
+    (`paired_row_tiles`).
     """
 
     geom: Geometry
@@ -94,6 +104,7 @@ class EstimatePlan(UnitSums):
     leave_out: str | None = None
     queries: str = QUERIES
     stagger: bool = False
+    pair_rows: bool = PAIR_ROWS
 
     @property
     def rows(self) -> int:
@@ -103,8 +114,20 @@ class EstimatePlan(UnitSums):
 
     @property
     def row_tiles(self) -> int:
-        """CTAs per (batch, query head): whole clusters."""
+        """Row tiles of `rows` rows per (batch, query head), a CTA each unless paired:
+        whole clusters."""
         return cdiv(self.geom.q_rows, self.rows * self.cluster) * self.cluster
+
+    def paired(self, causal: bool) -> bool:
+        """Whether each CTA walks two row tiles: `pair_rows` in a causal call."""
+        return self.pair_rows and causal
+
+    def row_groups(self, causal: bool) -> int:
+        """The kernel grid's row axis, per (batch, query head): ceil(R / 2) CTAs with
+        paired row tiles, else one cluster per `cluster` row tiles (R = row_tiles)."""
+        if self.paired(causal):
+            return cdiv(self.row_tiles, 2)
+        return self.row_tiles // self.cluster
 
     @property
     def padded_rows(self) -> int:
@@ -202,17 +225,20 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   stages: int | None = None, cluster: int | None = None,
                   leave_out: str | None = None, queries: str | None = None,
-                  stagger: bool | None = None) -> EstimatePlan:
+                  stagger: bool | None = None,
+                  pair_rows: bool | None = None) -> EstimatePlan:
     """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages,
-    cluster (in CLUSTERS; the streamed queries take 1 only), queries (in QUERY_LAYOUTS)
-    and stagger (the staggered consumers, streamed queries only) override the defaults
-    (tuning runs): QUERIES, BLOCK_K of the layout, STAGGER with the streamed queries, and
-    the most stages that fit in shared memory, at most MAX_STAGES. leave_out: a timing
-    variant (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
+    cluster (in CLUSTERS; the streamed queries take 1 only), queries (in QUERY_LAYOUTS),
+    stagger (the staggered consumers, streamed queries only) and pair_rows (two row
+    tiles per CTA in causal calls, streamed queries only) override the defaults (tuning
+    runs): QUERIES, BLOCK_K of the layout, STAGGER with the streamed queries, PAIR_ROWS,
+    and the most stages that fit in shared memory, at most MAX_STAGES. leave_out: a
+    timing variant (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
     (`unsupported_reason`) and overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
         stagger = STAGGER and queries == "streamed"
+    pair_rows = PAIR_ROWS if pair_rows is None else pair_rows
     reason = unsupported_reason(geom, dtype, queries=queries)
     if reason is not None:
         raise ValueError(reason)
@@ -221,6 +247,10 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     cluster = CLUSTER if cluster is None else cluster
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
+    if pair_rows and (queries != "streamed" or cluster > 1):
+        raise ValueError("pair_rows needs queries='streamed' and cluster 1 (a CTA walks "
+                         f"its two row tiles alone); got queries={queries!r}, cluster="
+                         f"{cluster}")
     if cluster > 1 and queries == "streamed":
         raise ValueError(f"cluster must be 1 with queries='streamed' (no multicast of the "
                          f"query and key chunks); got {cluster}")
@@ -240,7 +270,7 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
-                        bool(stagger))
+                        bool(stagger), bool(pair_rows))
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
@@ -268,6 +298,17 @@ def visible_tiles(plan: EstimatePlan, causal: bool, row0):
         return jnp.full(row0.shape, plan.key_tiles, jnp.int32)
     last_col = jnp.minimum(row0 + (plan.rows - 1 + geom.row_offset), geom.k_cols - 1)
     return _div(last_col, plan.block_k) + 1
+
+
+def paired_row_tiles(plan: EstimatePlan, group):
+    """The row tiles a CTA of a call with paired row tiles (`EstimatePlan.paired`) walks,
+    in order: `group` (its index on the grid's row axis, in [0, row_groups): a Python
+    int, a traced int32 scalar or an int32 array) and R - 1 - `group` (R = row_tiles),
+    which see about as many key tiles together in a causal call whatever `group`. The
+    two are the same row tile for the middle one of an odd R, walked once: the last CTA,
+    the shortest."""
+    group = jnp.asarray(group, jnp.int32)
+    return group, plan.row_tiles - 1 - group
 
 
 def unmasked_tiles(plan: EstimatePlan, causal: bool, row0):

@@ -1,9 +1,10 @@
 """The warp-specialized Mosaic GPU kernel of the estimate's row statistics per key tile
 (docs/estimate.md sections 1-3; the statistics of `xattn_jax.triton.one_pass`).
 
-One CTA = `plan.rows` reshaped query rows of one (batch, query head) (a row tile) + two
-consumer warpgroups + one producer warpgroup. Section 1 as one product with K = S x D:
-with q viewed as `[B, Hq, rows, S, D]` and k as `[B, Hkv, cols, S, D]` (free reshapes),
+One CTA = `plan.rows` reshaped query rows of one (batch, query head) (a row tile; two
+with paired row tiles, below) + two consumer warpgroups + one producer warpgroup.
+Section 1 as one product with K = S x D: with q viewed as `[B, Hq, rows, S, D]` and k as
+`[B, Hkv, cols, S, D]` (free reshapes),
 
     A[r, c] = sum_s q[r, S-1-s, :] . k[c, s, :] * scale
 
@@ -29,6 +30,18 @@ consumers reading it released it. Two layouts of the queries (`plan.queries`):
   which the tensor cores wait for while the ring fills; with `plan.stagger`, consumer 1
   waits until consumer 0 has issued `plan.lag_steps` steps of its first tile (a barrier
   arrived on once), and the shared ring keeps it at most `stages` steps behind.
+
+Paired row tiles (`plan.pair_rows`, streamed queries, causal calls only: a non-causal
+call's row tiles all walk every key tile, and it runs one per CTA): the CTA with index g
+on the grid's row axis (`plan.row_groups`: ceil(R / 2) per head, R = `plan.row_tiles`)
+walks row tiles g and R - 1 - g (`estimate_plan.paired_row_tiles`) one after the other,
+about the same number of key tiles in all whatever g (R + 1 at block_k 128 and Lq =
+Lk); an odd R's middle row tile is alone in the last CTA. The producer streams the first
+row tile's chunks, then the second's, and the consumers compute their rows of each (own
+first row, masked tiles, stores per row tile as above); the CTA's step count goes on
+across the two, so the ring's slots and barrier phases simply continue (no barrier is
+initialized twice), and the stagger barrier is arrived on once, in the CTA's first key
+tile. Unpaired, the grid runs the row tiles that see the most key tiles first.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
 wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
@@ -67,11 +80,34 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (CONSUMERS, WGMMA_ROWS, EstimatePlan,
-                                            unmasked_tiles, visible_tiles)
+                                            paired_row_tiles, unmasked_tiles,
+                                            visible_tiles)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
 CLUSTER_AXIS = "cluster"
+
+
+def _cta_row_tiles(plan: EstimatePlan, causal: bool):
+    """The row tiles this CTA walks, in order: (count, row_tile) with count the Python
+    int 1, or with paired row tiles (`estimate_plan.paired_row_tiles`) a traced int32 1
+    or 2, and row_tile(j) -> (row0, num_tiles) for its j-th row tile (j: 0, or a traced
+    int32 with the paired ones): the tile's first reshaped query row and the key tiles
+    the CTA walks for it (int32 scalars). Unpaired: the clusters run long row tiles
+    first, and the CTAs of a cluster walk the key tiles its last row tile sees."""
+    group = lax.axis_index("row_groups")
+    if plan.paired(causal):
+        pair = paired_row_tiles(plan, group)
+
+        def nth(j):
+            row0 = jnp.where(j == 0, *pair) * plan.rows
+            return row0, visible_tiles(plan, causal, row0)
+
+        return jnp.where(pair[0] == pair[1], 1, 2), nth
+    first_tile = (plan.row_groups(causal) - 1 - group) * plan.cluster  # long first
+    row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
+    num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * plan.rows)
+    return 1, lambda j: (row0, num_tiles)
 
 
 def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready,
@@ -86,30 +122,39 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
     streamed = plan.queries == "streamed"
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
-    groups = plan.row_tiles // plan.cluster
-    first_tile = (groups - 1 - lax.axis_index("row_groups")) * plan.cluster  # long first
-    row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
     wg = lax.axis_index(WG_AXIS)
-    # The cluster's CTAs share the key chunks: all walk the tiles its last row tile sees.
-    num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * plan.rows)
+    row_tiles, row_tile = _cta_row_tiles(plan, causal)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
+
+    def each_row_tile(walk):
+        """Runs walk(row0, num_tiles, walked) for each row tile of the CTA in order,
+        walked = the key tiles walked for the ones before (the ring's steps count on
+        across row tiles: slots and barrier phases continue). Returns the key tiles the
+        CTA walks."""
+        if not plan.paired(causal):
+            row0, num_tiles = row_tile(0)
+            walk(row0, num_tiles, 0)
+            return num_tiles
+
+        def one(j, walked):
+            row0, num_tiles = row_tile(j)
+            walk(row0, num_tiles, walked)
+            return walked + num_tiles
+
+        return lax.fori_loop(0, row_tiles, one, jnp.int32(0))
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         # Resident: consumer w takes tiles w, w + 2, ...; streamed: every tile, rows 64w..
         first, turns = (0, 1) if streamed else (wg, CONSUMERS)
-        own_row0 = row0 + wg * WGMMA_ROWS if streamed else row0
-        own_tiles = lax.div(num_tiles - first + (turns - 1), jnp.int32(turns))
-        plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, own_row0) - first
-                                 + (turns - 1), jnp.int32(turns)), 0, own_tiles)
         own_ready = 0 if streamed else wg * stages  # the consumer's ready barriers
         out = stats_smem.at[wg]
         if not streamed:
             plgpu.barrier_wait(q_ready)
         if plan.stagger:
-            @pl.when((wg == 1) & (num_tiles > 0))
+            @pl.when((wg == 1) & (row_tile(0)[1] > 0))
             def _():
                 plgpu.barrier_wait(lead)
 
@@ -120,72 +165,85 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
             member, part = divmod(step, parts)
             return q_smem.at[(geom.stride - 1 - member) * parts + part]
 
-        def one_tile(n, carry, *, masked: bool):
-            tile = first + n * turns
-            first_step = tile * steps
+        def consume(row0, num_tiles, walked):
+            """The consumer's key tiles of the row tile starting at row0."""
+            own_row0 = row0 + wg * WGMMA_ROWS if streamed else row0
+            own_tiles = lax.div(num_tiles - first + (turns - 1), jnp.int32(turns))
+            plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, own_row0) - first
+                                     + (turns - 1), jnp.int32(turns)), 0, own_tiles)
 
-            def product(acc_ref):
-                for step in range(steps):  # static: the resident queries' chunk index
-                    slot = lax.rem(first_step + step, jnp.int32(stages))
-                    plgpu.barrier_wait(ready.at[own_ready + slot])
-                    if multiply:
-                        plgpu.wgmma(acc_ref, queries(step, slot),
-                                    k_smem.at[slot].transpose((1, 0)))
-                    if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
-                        @pl.when((wg == 0) & (tile == 0))
-                        def _():
-                            plgpu.barrier_arrive(lead)
-                    if step:  # the step before has finished reading its slot
+            def one_tile(n, carry, *, masked: bool):
+                tile = first + n * turns
+                first_step = (walked + tile) * steps  # the CTA's step count
+
+                def product(acc_ref):
+                    for step in range(steps):  # static: the resident queries' chunk index
+                        slot = lax.rem(first_step + step, jnp.int32(stages))
+                        plgpu.barrier_wait(ready.at[own_ready + slot])
                         if multiply:
-                            plgpu.wgmma_wait(1)
-                        plgpu.barrier_arrive(
-                            free.at[lax.rem(first_step + step - 1, jnp.int32(stages))])
+                            plgpu.wgmma(acc_ref, queries(step, slot),
+                                        k_smem.at[slot].transpose((1, 0)))
+                        if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
+                            @pl.when((wg == 0) & (walked + tile == 0))
+                            def _():
+                                plgpu.barrier_arrive(lead)
+                        if step:  # the step before has finished reading its slot
+                            if multiply:
+                                plgpu.wgmma_wait(1)
+                            plgpu.barrier_arrive(free.at[
+                                lax.rem(first_step + step - 1, jnp.int32(stages))])
+                    if multiply:
+                        plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(
+                        free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
+                    return acc_ref[...] if multiply else None
+
+                shape = (WGMMA_ROWS, bk)
                 if multiply:
-                    plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(
-                    free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
-                return acc_ref[...] if multiply else None
+                    a = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+                else:  # the chunks are waited for and released all the same
+                    product(None)
+                    a = plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
+                                          plgpu.Layout.WGMMA)
+                a = a * jnp.float32(scale)
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                  layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                  layout=plgpu.Layout.WGMMA)
+                    cols = cols + tile * bk
+                    seen = cols < geom.k_cols
+                    if causal:  # column j seen by row i iff j <= i + (Lk - Lq) / S
+                        seen = seen & (cols <= rows + (own_row0 + geom.row_offset))
+                    a = jnp.where(seen, a, -jnp.inf)
+                m = a.max(axis=1)
+                sums = []
+                if plan.leave_out != "statistics":
+                    shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row seeing nothing: x = 0
+                    p = jnp.exp2(a - lax.broadcast_in_dim(shift, a.shape, [0]))
+                    sums = [p[:, u * unit:(u + 1) * unit].sum(axis=1) for u in range(units)]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last copy read it
+                out.at[0][...] = m
+                for u, x in enumerate(sums):
+                    out.at[1 + u][...] = x
+                if len(sums) > 1:
+                    out.at[1 + units][...] = functools.reduce(jnp.add, sums)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
+                                                          pl.ds(own_row0, WGMMA_ROWS)])
+                return carry
 
-            shape = (WGMMA_ROWS, bk)
-            if multiply:
-                a = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-            else:  # the chunks are waited for and released all the same
-                product(None)
-                a = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-            a = a * jnp.float32(scale)
-            if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                cols = cols + tile * bk
-                seen = cols < geom.k_cols
-                if causal:  # column j seen by row i iff j <= i + (Lk - Lq) / S
-                    seen = seen & (cols <= rows + (own_row0 + geom.row_offset))
-                a = jnp.where(seen, a, -jnp.inf)
-            m = a.max(axis=1)
-            sums = []
-            if plan.leave_out != "statistics":
-                shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row seeing nothing here: x = 0
-                p = jnp.exp2(a - lax.broadcast_in_dim(shift, a.shape, [0]))
-                sums = [p[:, u * unit:(u + 1) * unit].sum(axis=1) for u in range(units)]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy read it
-            out.at[0][...] = m
-            for u, x in enumerate(sums):
-                out.at[1 + u][...] = x
-            if len(sums) > 1:
-                out.at[1 + units][...] = functools.reduce(jnp.add, sums)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
-                                                      pl.ds(own_row0, WGMMA_ROWS)])
-            return carry
+            lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
+            lax.fori_loop(plain, own_tiles, functools.partial(one_tile, masked=True), None)
 
-        lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
-        lax.fori_loop(plain, own_tiles, functools.partial(one_tile, masked=True), None)
+        each_row_tile(consume)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        if not streamed:
+        if not streamed:  # never paired: one row tile
+            row0 = row_tile(0)[0]
             for member in range(geom.stride):
                 for part in range(parts):
                     plgpu.copy_gmem_to_smem(
@@ -193,31 +251,35 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                                  pl.ds(part * bd, bd)],
                         q_smem.at[member * parts + part], q_ready)
         kv_head = lax.div(head, jnp.int32(geom.group))
-        total = num_tiles * steps
 
-        @pl.loop(0, total)
-        def _(index):
-            tile = lax.div(index, jnp.int32(steps))
-            step = lax.rem(index, jnp.int32(steps))
-            member = lax.div(step, jnp.int32(parts))
-            columns = pl.ds(lax.rem(step, jnp.int32(parts)) * bd, bd)
-            slot = lax.rem(index, jnp.int32(stages))
+        def produce(row0, num_tiles, walked):
+            """The chunks of the row tile starting at row0, the CTA's steps `index`."""
+            @pl.loop(walked * steps, (walked + num_tiles) * steps)
+            def _(index):
+                tile = lax.div(index, jnp.int32(steps)) - walked
+                step = lax.rem(index, jnp.int32(steps))
+                member = lax.div(step, jnp.int32(parts))
+                columns = pl.ds(lax.rem(step, jnp.int32(parts)) * bd, bd)
+                slot = lax.rem(index, jnp.int32(stages))
 
-            @pl.when(index >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
+                @pl.when(index >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
 
-            if streamed:
-                slot_ready = ready.at[slot]
+                if streamed:
+                    slot_ready = ready.at[slot]
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[batch, head, pl.ds(row0, plan.rows),
+                                 geom.stride - 1 - member, columns],
+                        q_smem.at[slot], slot_ready)
+                else:  # the ready barrier of the consumer owning the tile
+                    slot_ready = ready.at[lax.rem(tile, jnp.int32(CONSUMERS)) * stages
+                                          + slot]
                 plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, head, pl.ds(row0, plan.rows), geom.stride - 1 - member,
-                             columns],
-                    q_smem.at[slot], slot_ready)
-            else:  # the ready barrier of the consumer owning the tile
-                slot_ready = ready.at[lax.rem(tile, jnp.int32(CONSUMERS)) * stages + slot]
-            plgpu.copy_gmem_to_smem(
-                k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns],
-                k_smem.at[slot], slot_ready, collective_axes=multicast)
+                    k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns],
+                    k_smem.at[slot], slot_ready, collective_axes=multicast)
+
+        total = each_row_tile(produce) * steps
 
         # Observe the last releases too: every completed phase of `free` is waited for.
         @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -273,7 +335,7 @@ def tile_stats(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         body,
         out_type=out_type,
         scratch_types=_scratch_types(plan, q.dtype),
-        grid=(geom.q_heads, geom.batch, plan.row_tiles // plan.cluster),
+        grid=(geom.q_heads, geom.batch, plan.row_groups(causal)),
         grid_names=("heads", "batch", "row_groups"),
         cluster=(plan.cluster,),  # the last grid axis: consecutive row tiles
         cluster_names=(CLUSTER_AXIS,),
