@@ -97,3 +97,29 @@ def test_mosaic_estimate_on_hopper():
     with pytest.raises(ValueError, match="no key_len"):
         xattn_jax.kv_block_scores(q, k, kv_block_size=512, estimate_block_size=128,
                                   k_len=1000, impl="mosaic")
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_calls_the_mosaic_block_sums_do_not_take(fallback):
+    """The Mosaic implementation "auto" resolves to on Hopper (`fallback`) runs the Triton
+    kernel for a call its block sums do not take (float32 inputs and a key count here;
+    the Triton kernel in interpret mode off a GPU) and gives the reference's block sums;
+    "mosaic" asked for by name refuses it, naming the rule. No Mosaic GPU code runs."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 1, 256, 16)), jnp.float32)
+    geom = xattn_jax.checks.check_qk(q, k, stride=8, block_size=64, causal=False)
+    key_len = jnp.int32(200)
+    impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=fallback)
+
+    def block_sums():
+        return impl.block_sums(q, k, geom=geom, causal=False, norm=1.0, key_len=key_len)
+
+    if not fallback:
+        with pytest.raises(ValueError, match="bfloat16 or float16"):
+            block_sums()
+        return
+    want = xattn_jax.reference.block_sums(q, k, geom, causal=False, norm=1.0,
+                                          key_len=key_len)
+    np.testing.assert_allclose(np.asarray(block_sums()), np.asarray(want), rtol=2e-5,
+                               atol=2e-5 * float(want.max()))
