@@ -289,7 +289,7 @@ def default_options(queries: str) -> dict:
     (stages: the most that fit)."""
     return {"queries": estimate_plan.QUERIES, "block_k": estimate_plan.BLOCK_K[queries],
             "cluster": estimate_plan.CLUSTER,
-            "stagger": estimate_plan.STAGGER and queries == "streamed",
+            "stagger": estimate_plan.default_stagger(queries),
             "pair_rows": estimate_plan.PAIR_ROWS}
 
 

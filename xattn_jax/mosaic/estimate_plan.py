@@ -210,7 +210,8 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     if key_len or paged:
         return ("impl='mosaic' block sums read a contiguous k with all keys in use "
                 "(no key_len, no paged cache) in this version")
-    plan = EstimatePlan(geom, BLOCK_K[queries], BLOCK_D, MIN_STAGES, queries=queries)
+    plan = EstimatePlan(geom, BLOCK_K[queries], BLOCK_D, MIN_STAGES, queries=queries,
+                        stagger=default_stagger(queries))
     smem = plan.smem_bytes(dtype.itemsize)
     if smem > SMEM_BYTES:
         return (f"impl='mosaic' with {queries} queries ({plan.rows} rows x stride "
@@ -237,7 +238,7 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     (`unsupported_reason`) and overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
-        stagger = STAGGER and queries == "streamed"
+        stagger = default_stagger(queries)
     pair_rows = PAIR_ROWS if pair_rows is None else pair_rows
     reason = unsupported_reason(geom, dtype, queries=queries)
     if reason is not None:
@@ -279,6 +280,12 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         raise ValueError(f"plan {plan} needs {plan.scratch_bytes} bytes of statistics; "
                          f"the limit is {MAX_SCRATCH_BYTES}")
     return plan
+
+
+def default_stagger(queries: str) -> bool:
+    """Whether the default plan of the `queries` layout staggers its consumers: STAGGER
+    with the streamed queries (the resident ones take the key tiles in turns)."""
+    return STAGGER and queries == "streamed"
 
 
 def _check_queries(queries: str) -> None:
