@@ -304,6 +304,19 @@ def test_threshold_string_is_refused(call):
         call()
 
 
+def test_repeated_selection_remembers_values_by_type():
+    """select_kv_blocks reuses a repeated call's checks (`checks.CheckedCalls`): after a
+    valid call, equal values of another type (1 for True, 3.0 for 3) are still refused,
+    and a changed num_valid still changes the result."""
+    scores = jnp.asarray(np.random.default_rng(0).random((1, 2, 8)), jnp.float32)
+    good = dict(threshold=0.5, keep_first=True, num_valid=3)
+    assert not np.asarray(xattn_jax.select_kv_blocks(scores, **good))[0, 3:].any()
+    for argument, value in (("keep_first", 1), ("num_valid", 3.0)):
+        with pytest.raises((TypeError, ValueError), match=argument):
+            xattn_jax.select_kv_blocks(scores, **{**good, argument: value})
+    assert np.asarray(xattn_jax.select_kv_blocks(scores, **{**good, "num_valid": 8}))[0, 7]
+
+
 def test_integer_block_sums_are_refused():
     with pytest.raises(ValueError, match="block_sums must be floats"):
         xattn_jax.select_blocks(jnp.ones((1, 2, 2, 2), jnp.int32), impl="reference")

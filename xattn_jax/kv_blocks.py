@@ -32,6 +32,7 @@ from xattn_jax.impls import Implementation
 RULES = ("score", "vote")
 EMPTY_BLOCK = -1.0  # the score of a KV block that holds no key (a real share is >= 0)
 _KV_SCORE_CALLS = CheckedCalls()  # kv_block_scores' prepared calls (no block table)
+_KV_SELECT_CALLS = CheckedCalls()  # select_kv_blocks' prepared calls
 
 
 def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -170,15 +171,25 @@ def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: 
     impl: checked like every function's (`xattn_jax.impls`); the selection is plain JAX,
     the same for every implementation (it is small: no kernel gains).
     """
-    impls.resolve(impl, scores)
-    check_choice("rule", rule, RULES)
-    check_float_array("scores", scores,
-                      "[B, Hq, n] (rule 'score')" if rule == "score" else
-                      "[B, Hq, R, n] (rule 'vote')")
-    batch, blocks = scores.shape[0], scores.shape[-1]
-    per_kv_head = check_flag("per_kv_head", per_kv_head)
-    return _select_kv(scores, valid_counts(num_valid, batch, blocks),
-                      scalar_threshold(threshold), rule=rule,
-                      groups=kv_groups(scores.shape[1], per_kv_head, kv_heads),
-                      keep_first=check_flag("keep_first", keep_first),
-                      keep_last=check_flag("keep_last", keep_last), per_kv_head=per_kv_head)
+    options = dict(threshold=threshold, keep_first=keep_first, keep_last=keep_last,
+                   per_kv_head=per_kv_head, kv_heads=kv_heads, num_valid=num_valid,
+                   rule=rule, impl=impl)
+    key = _KV_SELECT_CALLS.signature((scores,), options)
+    prepared = _KV_SELECT_CALLS.get(key)
+    if prepared is None:
+        impls.resolve(impl, scores)
+        check_choice("rule", rule, RULES)
+        check_float_array("scores", scores,
+                          "[B, Hq, n] (rule 'score')" if rule == "score" else
+                          "[B, Hq, R, n] (rule 'vote')")
+        batch, blocks = scores.shape[0], scores.shape[-1]
+        per_kv_head = check_flag("per_kv_head", per_kv_head)
+        run = functools.partial(
+            _select_kv, rule=rule, groups=kv_groups(scores.shape[1], per_kv_head, kv_heads),
+            keep_first=check_flag("keep_first", keep_first),
+            keep_last=check_flag("keep_last", keep_last), per_kv_head=per_kv_head)
+        prepared = (run, valid_counts(num_valid, batch, blocks),
+                    scalar_threshold(threshold))
+        _KV_SELECT_CALLS.put(key, prepared)
+    run, counts, threshold = prepared
+    return run(scores, counts, threshold)

@@ -24,13 +24,14 @@ per key tile):
   queries took). Both consumers compute every key tile; no clusters. With `stagger`
   (the default), consumer 1 starts `lag_steps` steps after consumer 0, so that each
   one's statistics may overlap the other's products. With `pair_rows` (causal calls
-  only; off by default until timed), a CTA walks two row tiles one after the other, i
-  and R - 1 - i of the R row tiles of its (batch, query head), so that every CTA walks
-  about the same number of key tiles of the causal triangle whatever i (R + 1 with
-  block_k = 128 and Lq = Lk; `paired_row_tiles`; an odd R's middle row tile is alone
-  in its CTA) on a grid of ceil(R / 2) CTAs per head (`EstimatePlan.row_groups`). The
-  plan does not know whether a call is causal: a non-causal call, whose row tiles all
-  walk every key tile, ignores the flag (one row tile per CTA).
+  only; off by default: measured slower, PAIR_ROWS), a CTA walks two row tiles one
+  after the other, i and R - 1 - i of the R row tiles of its (batch, query head), so
+  that every CTA walks about the same number of key tiles of the causal triangle
+  whatever i (R + 1 with block_k = 128 and Lq = Lk; `paired_row_tiles`; an odd R's
+  middle row tile is alone in its CTA) on a grid of ceil(R / 2) CTAs per head
+  (`EstimatePlan.row_groups`). The plan does not know whether a call is causal: a
+  non-causal call, whose row tiles all walk every key tile, ignores the flag (one row
+  tile per CTA).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -62,7 +63,10 @@ QUERY_LAYOUTS = ("resident", "streamed")
 QUERIES = "streamed"
 BLOCK_K = {"resident": 128, "streamed": 256}  # reshaped key columns per key tile (wgmma N)
 STAGGER = True  # the streamed queries' default
-PAIR_ROWS = False  # two row tiles per CTA in causal calls (streamed queries); to be timed
+# Two row tiles per CTA in causal calls (streamed queries): off, measured slower on the
+# H200 (mosaic_estimate_h200.md, session 11, kernel alone: causal 32K 1.33 against 1.15
+# ms, 64K 4.88 against 4.24; GQA 64K 4.26 against 4.38, within the run's spread)
+PAIR_ROWS = False
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2

@@ -205,7 +205,6 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                     product(None)
                     a = plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
                                           plgpu.Layout.WGMMA)
-                a = a * jnp.float32(scale)
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                   layout=plgpu.Layout.WGMMA)
@@ -216,11 +215,14 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                     if causal:  # column j seen by row i iff j <= i + (Lk - Lq) / S
                         seen = seen & (cols <= rows + (own_row0 + geom.row_offset))
                     a = jnp.where(seen, a, -jnp.inf)
-                m = a.max(axis=1)
+                # scale > 0: the maximum of the products, scaled, is the maximum of A',
+                # and A' - m is one fused multiply-add per score (no pass scaling A)
+                m = a.max(axis=1) * jnp.float32(scale)
                 sums = []
                 if plan.leave_out != "statistics":
                     shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row seeing nothing: x = 0
-                    p = jnp.exp2(a - lax.broadcast_in_dim(shift, a.shape, [0]))
+                    p = jnp.exp2(a * jnp.float32(scale)
+                                 - lax.broadcast_in_dim(shift, a.shape, [0]))
                     sums = [p[:, u * unit:(u + 1) * unit].sum(axis=1) for u in range(units)]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last copy read it
                 out.at[0][...] = m
