@@ -52,16 +52,16 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
     checks them): as in `xattn_estimate`.
     """
     options = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent, impl=impl)
-    key = _SELECT_CALLS.signature((block_sums,), options)
-    run = _SELECT_CALLS.get(key)
-    if run is None:
+
+    def prepare():
         check_block_sums(block_sums)
-        run = partitioning.on_shards(_select, ("B H ...", "H"),
-                                     causal=check_flag("causal", causal),
-                                     keep_sink=check_flag("keep_sink", keep_sink),
-                                     keep_recent=check_flag("keep_recent", keep_recent),
-                                     impl=impls.resolve(impl, block_sums))
-        _SELECT_CALLS.put(key, run)
+        return partitioning.on_shards(_select, ("B H ...", "H"),
+                                      causal=check_flag("causal", causal),
+                                      keep_sink=check_flag("keep_sink", keep_sink),
+                                      keep_recent=check_flag("keep_recent", keep_recent),
+                                      impl=impls.resolve(impl, block_sums))
+
+    run = _SELECT_CALLS.prepared(_SELECT_CALLS.signature((block_sums,), options), prepare)
     return run(block_sums, threshold_per_head(threshold, block_sums.shape[1]))
 
 
@@ -134,16 +134,16 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     options = dict(block_size=block_size, stride=stride, causal=causal, norm=norm,
                    keep_sink=keep_sink, keep_recent=keep_recent, impl=impl,
                    max_scratch_bytes=max_scratch_bytes)
-    key = _ESTIMATE_CALLS.signature((q, k), options)
-    run = _ESTIMATE_CALLS.get(key)
-    if run is None:
+
+    def prepare():
         geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
-        run = partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), geom=geom,
-                                     causal=check_flag("causal", causal),
-                                     norm=check_norm(norm),
-                                     keep_sink=check_flag("keep_sink", keep_sink),
-                                     keep_recent=check_flag("keep_recent", keep_recent),
-                                     impl=impls.resolve(impl, q, k),
-                                     max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
-        _ESTIMATE_CALLS.put(key, run)
+        return partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), geom=geom,
+                                      causal=check_flag("causal", causal),
+                                      norm=check_norm(norm),
+                                      keep_sink=check_flag("keep_sink", keep_sink),
+                                      keep_recent=check_flag("keep_recent", keep_recent),
+                                      impl=impls.resolve(impl, q, k),
+                                      max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
+
+    run = _ESTIMATE_CALLS.prepared(_ESTIMATE_CALLS.signature((q, k), options), prepare)
     return run(q, k, threshold_per_head(threshold, q.shape[1]))

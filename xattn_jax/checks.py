@@ -104,14 +104,19 @@ class CheckedCalls:
             return None
         return key
 
-    def get(self, key):
-        return None if key is None else self._calls.get(key)
-
-    def put(self, key, prepared) -> None:
-        if key is not None:
+    def prepared(self, key, prepare):
+        """The prepared call remembered under `key` (a `signature`, or any hashable key;
+        None: nothing is remembered), else `prepare()`'s, remembered (a call whose checks
+        raise in `prepare` leaves nothing behind). At most `maxsize` calls: the oldest are
+        forgotten all at once."""
+        if key is None:
+            return prepare()
+        found = self._calls.get(key)
+        if found is None:
             if len(self._calls) >= self._maxsize:
                 self._calls.clear()
-            self._calls[key] = prepared
+            found = self._calls[key] = prepare()
+        return found
 
 
 # --- Python scalars ----------------------------------------------------------------------

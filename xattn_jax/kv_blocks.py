@@ -92,10 +92,8 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     """
     options = dict(kv_block_size=kv_block_size, estimate_block_size=estimate_block_size,
                    stride=stride, norm=norm, per_query_block=per_query_block, impl=impl)
-    # a block table's page ids are checked on every call: no signature with one
-    key = None if block_table is not None else _KV_SCORE_CALLS.signature((q, k), options)
-    prepared = _KV_SCORE_CALLS.get(key)
-    if prepared is None:
+
+    def prepare():
         check_kv_sizes(kv_block_size, estimate_block_size, stride)
         keys, table = cached_keys(q, k, block_table)
         geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
@@ -105,9 +103,11 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
             per_kv_block=kv_block_size // estimate_block_size,
             per_query_block=check_flag("per_query_block", per_query_block),
             impl=impls.resolve(impl, q, k))
-        prepared = (run, geom.k_len, table)
-        _KV_SCORE_CALLS.put(key, prepared)
-    run, capacity, table = prepared
+        return run, geom.k_len, table
+
+    # a block table's page ids are checked on every call: no signature with one
+    key = None if block_table is not None else _KV_SCORE_CALLS.signature((q, k), options)
+    run, capacity, table = _KV_SCORE_CALLS.prepared(key, prepare)
     return run(q, k, key_len(k_len, capacity), table)
 
 
@@ -174,22 +174,21 @@ def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: 
     options = dict(threshold=threshold, keep_first=keep_first, keep_last=keep_last,
                    per_kv_head=per_kv_head, kv_heads=kv_heads, num_valid=num_valid,
                    rule=rule, impl=impl)
-    key = _KV_SELECT_CALLS.signature((scores,), options)
-    prepared = _KV_SELECT_CALLS.get(key)
-    if prepared is None:
+
+    def prepare():
         impls.resolve(impl, scores)
         check_choice("rule", rule, RULES)
         check_float_array("scores", scores,
                           "[B, Hq, n] (rule 'score')" if rule == "score" else
                           "[B, Hq, R, n] (rule 'vote')")
         batch, blocks = scores.shape[0], scores.shape[-1]
-        per_kv_head = check_flag("per_kv_head", per_kv_head)
+        per_head = check_flag("per_kv_head", per_kv_head)
         run = functools.partial(
-            _select_kv, rule=rule, groups=kv_groups(scores.shape[1], per_kv_head, kv_heads),
+            _select_kv, rule=rule, groups=kv_groups(scores.shape[1], per_head, kv_heads),
             keep_first=check_flag("keep_first", keep_first),
-            keep_last=check_flag("keep_last", keep_last), per_kv_head=per_kv_head)
-        prepared = (run, valid_counts(num_valid, batch, blocks),
-                    scalar_threshold(threshold))
-        _KV_SELECT_CALLS.put(key, prepared)
-    run, counts, threshold = prepared
+            keep_last=check_flag("keep_last", keep_last), per_kv_head=per_head)
+        return run, valid_counts(num_valid, batch, blocks), scalar_threshold(threshold)
+
+    run, counts, threshold = _KV_SELECT_CALLS.prepared(
+        _KV_SELECT_CALLS.signature((scores,), options), prepare)
     return run(scores, counts, threshold)

@@ -32,14 +32,13 @@ import jax
 import torch
 import xattn_jax
 from xattn_jax import impls
-from xattn_jax.checks import check_flag, threshold_per_head
+from xattn_jax.checks import CheckedCalls, check_flag, threshold_per_head
 
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, persistent_view, place_of, to_torch,
                                        view_in_jax, views_for_one_computation)
 
 DEFAULT_THRESHOLD = 0.9  # xattn_jax.xattn_estimate's default
-_PREPARED_CALLS = 256  # `_prepared` remembers at most this many argument sets
-_prepared_calls: dict[tuple, tuple] = {}
+_prepared_calls = CheckedCalls()  # `_prepared`'s argument sets
 
 
 def _detached(x):
@@ -118,22 +117,17 @@ def _prepared(place, q: torch.Tensor, threshold, options: dict):
     if isinstance(threshold, float):
         key = (place.jax_device, q.shape[1] if q.ndim == 4 else None, threshold,
                *options.items(), *map(type, options.values()))
-        prepared = _prepared_calls.get(key)
-        if prepared is not None:
-            return prepared
-    if isinstance(threshold, torch.Tensor):
-        threshold = threshold.tolist()
-    if q.ndim == 4:  # else the traced call names the wrong rank
-        threshold = threshold_per_head(threshold, q.shape[1])
-    # resolved here, for the device q lives on: inside the jitted call it has none yet
-    options = dict(options, impl=impls.resolve(options.get("impl", "auto"),
-                                               device=place.jax_device))
-    prepared = compiled_estimate(options), threshold
-    if key is not None:
-        if len(_prepared_calls) >= _PREPARED_CALLS:
-            _prepared_calls.clear()
-        _prepared_calls[key] = prepared
-    return prepared
+
+    def prepare():
+        checked = threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold
+        if q.ndim == 4:  # else the traced call names the wrong rank
+            checked = threshold_per_head(checked, q.shape[1])
+        # resolved here, for the device q lives on: inside the jitted call it has none yet
+        resolved = dict(options, impl=impls.resolve(options.get("impl", "auto"),
+                                                    device=place.jax_device))
+        return compiled_estimate(resolved), checked
+
+    return _prepared_calls.prepared(key, prepare)
 
 
 # --- torch.compile ----------------------------------------------------------------------
