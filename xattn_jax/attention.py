@@ -25,7 +25,7 @@ import numpy as np
 from xattn_jax import impls, partitioning
 from xattn_jax.api import xattn_estimate
 from xattn_jax.checks import cached_keys, check_norm, check_qk, threshold_per_head
-from xattn_jax.geometry import Geometry
+from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.impls import Implementation
 
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
@@ -65,8 +65,8 @@ def _check_v(v, k, block_table) -> None:
 
 
 def _check_mask(mask, geom: Geometry, block_size: int) -> None:
-    want = (geom.batch, geom.q_heads, -(-geom.q_len // block_size),
-            -(-geom.k_len // block_size))
+    want = (geom.batch, geom.q_heads, cdiv(geom.q_len, block_size),
+            cdiv(geom.k_len, block_size))
     if getattr(mask, "dtype", None) != jnp.bool_:
         raise ValueError(f"mask must be bool, got {getattr(mask, 'dtype', type(mask))}")
     if tuple(mask.shape) != want:

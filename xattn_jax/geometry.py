@@ -44,12 +44,12 @@ class Geometry:
     @property
     def q_rows(self) -> int:
         """Reshaped query rows that hold at least one real token: ceil(Lq / S)."""
-        return -(-self.q_len // self.stride)
+        return cdiv(self.q_len, self.stride)
 
     @property
     def k_cols(self) -> int:
         """Reshaped key columns that hold at least one real token: ceil(Lk / S)."""
-        return -(-self.k_len // self.stride)
+        return cdiv(self.k_len, self.stride)
 
     @property
     def block_rows(self) -> int:
@@ -58,11 +58,11 @@ class Geometry:
 
     @property
     def q_blocks(self) -> int:
-        return -(-self.q_len // self.block_size)
+        return cdiv(self.q_len, self.block_size)
 
     @property
     def k_blocks(self) -> int:
-        return -(-self.k_len // self.block_size)
+        return cdiv(self.k_len, self.block_size)
 
     @property
     def row_offset(self) -> int:

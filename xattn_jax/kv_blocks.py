@@ -26,7 +26,7 @@ from xattn_jax import impls, partitioning, reference
 from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_flag,
                               check_float_array, check_kv_sizes, check_norm, check_qk,
                               key_len, kv_groups, scalar_threshold, valid_counts)
-from xattn_jax.geometry import Geometry
+from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.impls import Implementation
 
 RULES = ("score", "vote")
@@ -37,7 +37,7 @@ _KV_SELECT_CALLS = CheckedCalls()  # select_kv_blocks' prepared calls
 
 def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
     """Sums consecutive groups of `size` along `axis`, zero-padding the last group."""
-    groups = -(-x.shape[axis] // size)
+    groups = cdiv(x.shape[axis], size)
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, groups * size - x.shape[axis])
     x = jnp.pad(x, pad)

@@ -33,6 +33,7 @@ import torch
 import xattn_jax
 from xattn_jax import impls
 from xattn_jax.checks import CheckedCalls, check_flag, threshold_per_head
+from xattn_jax.geometry import cdiv
 
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, persistent_view, place_of, to_torch,
                                        view_in_jax, views_for_one_computation)
@@ -166,5 +167,5 @@ def estimate_op(q: torch.Tensor, k: torch.Tensor, threshold: list[float], block_
 def _estimate_shapes(q, k, threshold, block_size, stride, causal, norm, keep_sink,
                      keep_recent, impl, max_scratch_bytes, copy):
     batch, heads, q_len, _ = q.shape
-    shape = (batch, heads, -(-q_len // block_size), -(-k.shape[2] // block_size))
+    shape = (batch, heads, cdiv(q_len, block_size), cdiv(k.shape[2], block_size))
     return q.new_empty(shape, dtype=torch.float32), q.new_empty(shape, dtype=torch.bool)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from xattn_jax.checks import check_int
+from xattn_jax.geometry import cdiv
 
 from xattn_torch_bridge.dlpack import current_stream
 
@@ -186,7 +187,7 @@ class PagedKVCache:
         room = self.block_size - int(self._tokens[ids[-1]]) if len(ids) else 0
         if len(ids) and min(room, count):
             self._require(ids[-1:], True, "block_ids (the last block, which has room)")
-        new = -(-max(count - room, 0) // self.block_size)
+        new = cdiv(max(count - room, 0), self.block_size)
         if new > len(self._free):
             raise ValueError(f"k: out of capacity: {count} tokens need {new} new blocks, "
                              f"{len(self._free)} device blocks free")

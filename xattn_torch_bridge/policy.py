@@ -59,7 +59,7 @@ import xattn_jax
 from xattn_jax import impls
 from xattn_jax.checks import (check_choice, check_estimate_block_size, check_flag, check_int,
                               check_norm, check_share)
-from xattn_jax.geometry import next_pow2
+from xattn_jax.geometry import cdiv, next_pow2
 from xattn_jax.kv_blocks import RULES
 
 from xattn_torch_bridge.dlpack import (place_of, read_through_torch, to_torch,
@@ -274,7 +274,7 @@ class XAttentionPolicy:
         per_unit, unit = layout.per_unit, layout.scoring.unit
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
-        units = next_pow2(max(-(-n // per_unit), -(-q.shape[2] // unit)))
+        units = next_pow2(max(cdiv(n, per_unit), cdiv(q.shape[2], unit)))
         return q, place, layout, cache.block_table(block_ids, units * per_unit)
 
     @staticmethod
@@ -354,7 +354,7 @@ def _policy_scores_shape(q, pages, table, unit, estimate_block_size, stride, nor
                          impl):
     units = (table.shape[0] - 1) * pages.shape[1] // unit
     heads, q_len = q.shape[-3], q.shape[-2]
-    shape = (1, heads, -(-q_len // unit), units) if vote else (1, heads, units)
+    shape = (1, heads, cdiv(q_len, unit), units) if vote else (1, heads, units)
     return q.new_empty(shape, dtype=torch.float32)
 
 

@@ -20,6 +20,7 @@ from xattn_jax import impls
 from xattn_jax.api import xattn_estimate
 from xattn_jax.demo.recall import Coverage, coverage
 from xattn_jax.demo.synthetic import structured_qk
+from xattn_jax.geometry import cdiv
 
 
 def _positive_int(text: str) -> int:
@@ -114,7 +115,7 @@ def plot_figure(sums: np.ndarray, mask: np.ndarray, title: str):
 
 def _report(args, q, first: float, steady: float, cov: Coverage, seconds: dict) -> str:
     per_head = lambda x: " ".join(f"{v:.3f}" for v in x)  # noqa: E731
-    kb = -(-args.length // args.block_size)
+    kb = cdiv(args.length, args.block_size)
     return "\n".join([
         "xattn-jax demo: the XAttention estimate on a synthetic long-context example",
         f"  q, k       {q.dtype} {list(q.shape)} (batch, heads, tokens, head_dim), "

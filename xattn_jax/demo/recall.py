@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xattn_jax.geometry import cdiv
 from xattn_jax.reference import forced_and_allowed
 
 
@@ -83,7 +84,7 @@ def _selected_mass(q, k, mask, *, block_size: int, causal: bool, rows: int) -> j
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     qb, kb = mask.shape[-2:]
-    chunks = -(-lq // rows)
+    chunks = cdiv(lq, rows)
     q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, chunks * rows - lq), (0, 0)))
     q = q.reshape(b, hkv, hq // hkv, chunks, rows, d).transpose(3, 0, 1, 2, 4, 5)
     k = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, kb * block_size - lk), (0, 0)))

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xattn_jax.geometry import cdiv
 from xattn_jax.mosaic import available
 from xattn_jax.mosaic.plan import AttentionPlan, attention_plan, unsupported_reason
 
@@ -65,8 +66,8 @@ def key_tile_lists(mask: jax.Array, *, q_len: int, k_len: int, block_size: int,
     ends at or before n.
     """
     rows, block_q, block_kv = plan.rows_per_cta, plan.block_q, plan.block_kv
-    num_ctas = -(-q_len // rows)
-    num_tiles = -(-k_len // block_kv)
+    num_ctas = cdiv(q_len, rows)
+    num_tiles = cdiv(k_len, block_kv)
     keys_in_use = jnp.asarray(k_len if keys_in_use is None else keys_in_use, jnp.int32)
     offset = keys_in_use - q_len
     cta_row = jnp.arange(num_ctas, dtype=jnp.int32) * rows

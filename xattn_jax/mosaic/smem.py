@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from xattn_jax.geometry import cdiv
+
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on sm_90
 SMEM_ALIGN = 1024
 SMEM_RESERVE = 2048
@@ -20,5 +22,5 @@ BARRIER_BYTES = 8
 def smem_bytes(buffers: Iterable[int], barriers: int) -> int:
     """Bytes of shared memory a kernel with these scratch buffers (bytes each) and this
     many barriers asks for."""
-    return (sum(-(-size // SMEM_ALIGN) * SMEM_ALIGN for size in buffers) + SMEM_RESERVE
+    return (sum(cdiv(size, SMEM_ALIGN) * SMEM_ALIGN for size in buffers) + SMEM_RESERVE
             + BARRIER_BYTES * barriers)

@@ -20,6 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xattn_jax.geometry import cdiv
+
 KEY_TILE = 512  # keys per online-softmax step, rounded to whole blocks
 SCORE_STEP_BYTES = 256 * 2**20  # bound on one step's float32 scores [B, Hq, rows, keys]
 MIN_QUERY_CHUNK = 8
@@ -146,7 +148,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
 
         init = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
                 jnp.zeros((*lead, v_dim), jnp.float32), jnp.zeros(lead, jnp.bool_))
-        run_max, run_sum, acc, bad = jax.lax.fori_loop(0, -(-capacity // tile), step, init)
+        run_max, run_sum, acc, bad = jax.lax.fori_loop(0, cdiv(capacity, tile), step, init)
         out = jnp.where(run_sum[..., None] == 0, 0.0, acc / run_sum[..., None])
         out = jnp.where(bad[..., None], jnp.nan, out).astype(results[0].dtype)
         lse = run_max + jnp.log(run_sum)
@@ -155,6 +157,6 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
 
     results = (jnp.zeros((batch, kv_heads, group, q_len, v_dim), q.dtype),
                jnp.zeros((batch, kv_heads, group, q_len), jnp.float32))
-    out, lse = jax.lax.fori_loop(0, -(-q_len // rows), attend_chunk, results)
+    out, lse = jax.lax.fori_loop(0, cdiv(q_len, rows), attend_chunk, results)
     out = out.reshape(batch, q_heads, q_len, v_dim)
     return (out, lse.reshape(batch, q_heads, q_len)) if return_lse else out
