@@ -1,7 +1,7 @@
 """Times the seed's chunked-prefill selection: a chunk of queries against a KV cache.
 
-    python -m bench.chunked [--contexts 16k,32k,64k,128k] [--json PATH]
-                            [--compare-original PATH] [--small]
+    python -m bench.chunked [--contexts 16k,32k,64k,128k] [--impls auto,triton,mosaic]
+                            [--json PATH] [--compare-original PATH] [--small]
 
 Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV blocks
 4096, estimate blocks 1024, threshold 0.95):
@@ -13,6 +13,8 @@ Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV 
   seed's baseline) and at 1024 summed up to 4096 (case suffix `-hier1024`).
 `XAttentionPolicy.select_blocks` on a torch cache is timed against these kernels by
 `bench.torch_path`.
+`--impls`: the implementations of ours timed on each context, one after the other
+(default "auto"; rows name them as `bench.estimate` does).
 `--small` shrinks every size (contexts by 8) for a CPU smoke run; there the default
 implementation is the reference and the floors mean nothing.
 """
@@ -29,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.common import (Sizes, floor_ms, jax_extra_mib, log, print_report,  # noqa: E402
                           record, strided_flops, time_ms, write_json)
+from bench.estimate import impl_label  # noqa: E402
 from xattn_jax import kv_block_scores, select_kv_blocks  # noqa: E402
 
 
@@ -52,22 +55,25 @@ def floor_of(context: int, sz: Sizes) -> float:
                                   causal=False))
 
 
-def kernel_rows(name: str, context: int, sz: Sizes) -> list[dict]:
+def kernel_rows(name: str, context: int, sz: Sizes, impls=("auto",)) -> list[dict]:
     q, k = inputs(context, sz)
-
-    @jax.jit
-    def fn(q, k, k_len):
-        scores = kv_block_scores(q, k, kv_block_size=sz.kv_block,
-                                 estimate_block_size=sz.estimate_block, stride=sz.stride,
-                                 k_len=k_len)
-        return scores, select_kv_blocks(scores, threshold=sz.threshold)
-
     args = (q, k, jnp.int32(context))
     floor = floor_of(context, sz)
-    ms = time_ms(fn, [args], warmup=3, reps=30)
-    log(f"chunk{sz.chunk}-ctx{name}: {ms:.3f} ms, {ms / floor:.2f} x floor")
-    return [record(f"chunk{sz.chunk}-ctx{name}", "xattn-jax", ms, floor,
-                   jax_extra_mib(fn, *args))]
+    rows = []
+    for impl in impls:
+        @jax.jit
+        def fn(q, k, k_len):
+            scores = kv_block_scores(q, k, kv_block_size=sz.kv_block,
+                                     estimate_block_size=sz.estimate_block,
+                                     stride=sz.stride, k_len=k_len, impl=impl)
+            return scores, select_kv_blocks(scores, threshold=sz.threshold)
+
+        ms = time_ms(fn, [args], warmup=3, reps=30)
+        label = impl_label(impl)
+        log(f"chunk{sz.chunk}-ctx{name}, {label}: {ms:.3f} ms, {ms / floor:.2f} x floor")
+        rows.append(record(f"chunk{sz.chunk}-ctx{name}", label, ms, floor,
+                           jax_extra_mib(fn, *args)))
+    return rows
 
 
 def _original_rows(name: str, context: int, sz: Sizes, original) -> list[dict]:
@@ -90,6 +96,9 @@ def _original_rows(name: str, context: int, sz: Sizes, original) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="16k,32k,64k,128k")
+    parser.add_argument("--impls", default="auto",
+                        help="comma-separated implementations of ours to time: auto, "
+                             "triton, mosaic")
     parser.add_argument("--json", help="write one record per row to this path")
     parser.add_argument("--compare-original", metavar="PATH",
                         help="a checkout of mit-han-lab/x-attention to time side by side")
@@ -106,7 +115,7 @@ def main(argv=None) -> None:
     # Ours first, the original after: a chunk call lasts half a millisecond, and ours
     # measured 10-15% slower right after the original's kernels had run in the process
     # (bench/results/chunked_h200.md).
-    runs = [(kernel_rows, "xattn-jax")]
+    runs = [(functools.partial(kernel_rows, impls=args.impls.split(",")), "xattn-jax")]
     if original is not None:
         runs.append((functools.partial(_original_rows, original=original), "original"))
     for run, what in runs:

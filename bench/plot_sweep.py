@@ -36,8 +36,8 @@ def main(argv=None) -> None:
     for (impl, length), points in sorted(series.items()):  # color: length; line: impl
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], color=colors[length],
-                marker="o" if impl == "xattn-jax" else "s",
-                linestyle="-" if impl == "xattn-jax" else "--", label=f"{impl}, {length}")
+                marker="o" if impl.startswith("xattn-jax") else "s",
+                linestyle="-" if impl.startswith("xattn-jax") else "--", label=f"{impl}, {length}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("block size (tokens)")

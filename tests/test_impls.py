@@ -94,9 +94,14 @@ def test_mosaic_estimate_on_hopper():
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         xattn_jax.xattn_estimate(q.astype(jnp.float32), k.astype(jnp.float32),
                                  block_size=128, impl="mosaic")
-    with pytest.raises(ValueError, match="no key_len"):
-        xattn_jax.kv_block_scores(q, k, kv_block_size=512, estimate_block_size=128,
-                                  k_len=1000, impl="mosaic")
+    with pytest.raises(ValueError, match="multiple of 8 x stride"):
+        xattn_jax.xattn_estimate(q, k, block_size=32, impl="mosaic")
+    # the chunk scores: keys in use ending inside a stride group
+    got, want = (xattn_jax.kv_block_scores(q, k, kv_block_size=512, estimate_block_size=128,
+                                           k_len=1001, impl=impl) for impl in ("mosaic",
+                                                                                "triton"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-5,
+                               atol=5e-5 * float(want.max()))
 
 
 @pytest.mark.parametrize("fallback", [True, False])

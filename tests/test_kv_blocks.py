@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import np_reference as npr
-from xattn_jax import kv_blocks, reference
+from xattn_jax import kv_blocks, mosaic, reference
 from xattn_jax.checks import check_qk
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
 from xattn_jax.triton.block_sums import block_sums
@@ -168,6 +168,40 @@ def test_paged_cache_equals_contiguous(impl, seed):
     want = kv_block_scores(q, jnp.asarray(k, jnp.float32), **args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=1e-7,
                                err_msg=f"seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic.available() is not None, reason=str(mosaic.available()))
+@pytest.mark.parametrize("page_size", [None, 512, 4096])
+def test_mosaic_chunk_scores_equal_triton_without_recompiling(page_size, seed):
+    """On Hopper, "mosaic" (the chunk calls "auto" gives it: bf16, D 128) scores a
+    growing context in one buffer or shuffled page pool (unused pages NaN) as the
+    Triton kernel does, with one compilation for every k_len."""
+    rng = np.random.default_rng(seed)
+    capacity, chunk = 8192, 1024
+    q = jnp.asarray(rng.standard_normal((1, 8, chunk, 128)) * 1.5, jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 2, capacity, 128)) * 1.5, jnp.bfloat16)
+    table = None
+    if page_size is not None:
+        per_seq, pool = capacity // page_size, capacity // page_size + 3
+        order = rng.permutation(pool)[:per_seq]
+        pages = np.full((pool, page_size, 2, 128), np.nan, np.float32)
+        pages[order] = np.asarray(k[0], np.float32).reshape(
+            2, per_seq, page_size, 128).transpose(1, 2, 0, 3)
+        k, table = jnp.asarray(pages, jnp.bfloat16), jnp.asarray(order[None], jnp.int32)
+
+    def scores(impl):
+        return jax.jit(lambda q, k, n, table: kv_block_scores(
+            q, k, kv_block_size=2048, estimate_block_size=1024, k_len=n,
+            block_table=table, impl=impl))
+
+    mosaic_call, triton_call = scores("mosaic"), scores("triton")
+    for k_len in (1024, 3001, 5555, 8192):
+        n = jnp.int32(k_len)
+        got, want = mosaic_call(q, k, n, table), triton_call(q, k, n, table)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-5,
+                                   atol=5e-5 * float(want.max()), err_msg=f"seed={seed}")
+    assert mosaic_call._cache_size() == 1
 
 
 @pytest.mark.parametrize("pages, table, match", [

@@ -13,6 +13,7 @@ kernel.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -43,20 +44,24 @@ def _geom(batch, q_heads, kv_heads, q_len, k_len, head_dim, stride, block_size, 
     (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.float32, {}, "bfloat16 or float16"),
     (Geometry(1, 4, 2, 1024, 1024, 96, 8, 128), jnp.bfloat16, {}, "head_dim in"),
     (Geometry(1, 4, 2, 1024, 1024, 128, 8, 32), jnp.bfloat16, {}, "multiple of 8 x stride"),
-    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"key_len": True},
-     "no key_len"),
-    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"paged": True},
-     "no paged"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16,
+     {"key_len": True, "causal": True}, "key_len in non-causal calls only"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"page_size": 256},
+     "multiple of 64 x stride = 512 tokens"),
+    (Geometry(1, 4, 2, 1024, 1024, 128, 8, 128), jnp.bfloat16, {"page_size": 1000},
+     "multiple of 64 x stride = 512 tokens"),
     (Geometry(1, 4, 2, 1024, 1024, 128, 16, 128), jnp.bfloat16, {"queries": "resident"},
      "shared memory"),
     (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16,
-     {"queries": "resident"}, "statistics"),
-    (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16, {}, "statistics"),
+     {"queries": "resident", "max_scratch_bytes": 8 << 20}, "one row step"),
+    (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16,
+     {"max_scratch_bytes": 8 << 20}, "one row step"),
 ])
 def test_plan_refuses_unsupported_calls(geom, dtype, options, rule):
     reason = estimate_plan.unsupported_reason(geom, dtype, **options)
     assert reason is not None and rule in reason, reason
-    plan_options = {key: value for key, value in options.items() if key == "queries"}
+    plan_options = {key: value for key, value in options.items()
+                    if key in ("queries", "page_size", "max_scratch_bytes")}
     if options == plan_options:
         with pytest.raises(ValueError, match=rule):
             estimate_plan.estimate_plan(geom, dtype, **plan_options)
@@ -158,6 +163,82 @@ def test_paired_row_tiles_balance_the_causal_triangle(q_len, k_len, stride, bloc
         assert pairs.max() - pairs.min() <= 1, pairs
     if alone.any():
         assert tiles[first[alone]].item() <= (pairs.min() if len(pairs) else tiles.max())
+
+
+def test_row_steps_bound_the_statistics_and_fill_the_waves():
+    """A call whose statistics exceed the bound runs in row steps of every head: each
+    step's statistics within the bound, whole row tiles and query blocks, and the step
+    size with the fewest waves of CTAs in all (HOPPER_SMS). Causal 128K, 32 heads: 2.4
+    GiB whole; 2 steps of 8192 rows (64 row tiles x 32 heads = 2048 CTAs, 16 waves
+    each). 1M: 4.8 GiB per head's rows; steps of 1024 rows (256 CTAs: 2 waves, 128 steps)
+    take fewer waves than 1280 (320 CTAs: 3 waves, 103 steps); 512 (128 CTAs) would leave
+    SMs idle. A bound holding no step of a wave is refused."""
+    long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
+    whole = estimate_plan.estimate_plan(Geometry(1, 32, 8, 65536, 65536, 128, 8, 128),
+                                        jnp.bfloat16)
+    assert whole.call_rows == 0 and whole.rows_per_call == 8192
+    plan = estimate_plan.estimate_plan(long, jnp.bfloat16)
+    assert plan.row_scratch_bytes * plan.padded_rows > estimate_plan.MAX_SCRATCH_BYTES
+    assert (plan.call_rows, plan.row_quantum, plan.row_groups(True)) == (8192, 128, 64)
+    assert plan.scratch_bytes <= estimate_plan.MAX_SCRATCH_BYTES
+    million = estimate_plan.estimate_plan(Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128),
+                                          jnp.bfloat16)
+    assert million.call_rows == 1024 and million.scratch_bytes <= (3 << 29)
+    # 300 MiB: 2048 rows (512 CTAs, 4 waves, 8 steps) tie with 1024 (2 waves, 16 steps)
+    small = estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=300 << 20)
+    assert (small.call_rows, small.scratch_bytes) == (2048, 2048 * 147456)
+    # 64 MiB hold 384 rows: 96 CTAs, less than a wave (the Triton kernel takes the call)
+    rule = "one row step of a wave of CTAs \\(640 rows of every head\\)"
+    assert re.search(rule, estimate_plan.unsupported_reason(long, jnp.bfloat16,
+                                                            max_scratch_bytes=64 << 20))
+    with pytest.raises(ValueError, match="a wave of CTAs"):
+        estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=64 << 20)
+    # blocks of 4096 tokens (512 rows): steps of whole query blocks, a wave at least
+    wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 131072, 131072, 128, 8, 4096),
+                                       jnp.bfloat16, max_scratch_bytes=64 << 20)
+    assert wide.row_quantum == 512 and wide.call_rows % 512 == 0
+    assert wide.call_rows // 128 * 32 >= estimate_plan.HOPPER_SMS
+    assert wide.padded_rows >= wide.geom.q_blocks * wide.geom.block_rows
+    with pytest.raises(ValueError, match="call_rows must be 0 or a positive multiple of 128"):
+        estimate_plan.estimate_plan(long, jnp.bfloat16, call_rows=200)
+    paired = estimate_plan.estimate_plan(long, jnp.bfloat16, pair_rows=True)
+    assert not paired.paired(True)  # row steps walk one row tile per CTA
+
+
+@pytest.mark.parametrize("page_size, queries, block_k", [
+    (4096, "streamed", 256), (2048, "streamed", 256), (1024, "streamed", 128),
+    (512, "streamed", 64), (1536, "streamed", 192), (1536, "resident", 64),
+    (4096, "resident", 128)])
+def test_paged_plan_takes_a_key_tile_within_a_page(page_size, queries, block_k):
+    """Pages of 64 x S tokens or a multiple: the key tile is the largest multiple of 64
+    up to the layout's that divides a page's reshaped columns (page_size / S)."""
+    geom = Geometry(1, 32, 8, 4096, 65536, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size,
+                                       queries=queries)
+    assert (plan.block_k, plan.page_size) == (block_k, page_size)
+    assert (page_size // 8) % plan.block_k == 0
+    if page_size == 1024:
+        with pytest.raises(ValueError, match="block_k must divide a page's 128"):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size,
+                                        block_k=256)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tile_walk_with_fewer_keys_in_use(causal):
+    """With `cols` key columns in use the walk stops at the tile holding the last one,
+    and masks from the first tile it holds only partly (tiles past it are never
+    computed)."""
+    geom = _geom(1, 2, 1, 512, 4096, 64, 8, 64, causal)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=64)
+    row0 = np.arange(plan.row_tiles) * plan.rows
+    for cols in (0, 1, 63, 64, 65, 300, 512):
+        computed = np.asarray(estimate_plan.visible_tiles(plan, causal, row0, cols))
+        unmasked = np.asarray(estimate_plan.unmasked_tiles(plan, causal, row0, cols))
+        full = np.asarray(estimate_plan.visible_tiles(plan, causal, row0))
+        assert (computed <= -(-cols // 64)).all() and (unmasked <= cols // 64).all()
+        assert (computed <= full).all() and (unmasked <= computed).all()
+        if not causal:
+            assert (computed == -(-cols // 64)).all() and (unmasked == cols // 64).all()
 
 
 @pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 6), (256, 4)])
@@ -289,6 +370,35 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 
 
 @needs_mosaic_gpu
+@pytest.mark.parametrize("page_size", [None, 4096, 1024])
+def test_kernel_lowers_with_keys_in_use_pages_and_row_steps(page_size):
+    """The chunk scores' call (a traced key count; a contiguous buffer or pages of 4096
+    and 1024 tokens: key tiles of 256 and 128 columns) and a causal call of 128K in row
+    steps lower for CUDA."""
+    geom = _geom(1, 32, 8, 4096, 65536, 128, 8, 1024, False)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size)
+    q = jax.ShapeDtypeStruct((1, 32, 4096, 128), jnp.bfloat16)
+    if page_size is None:
+        k, table = jax.ShapeDtypeStruct((1, 8, 65536, 128), jnp.bfloat16), None
+    else:
+        k = jax.ShapeDtypeStruct((65536 // page_size + 2, page_size, 8, 128), jnp.bfloat16)
+        table = jax.ShapeDtypeStruct((1, 65536 // page_size), jnp.int32)
+    count = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def chunk(q, k, count, table):
+        return block_sums.block_sums(q, k, plan=plan, causal=False, norm=1.0, key_len=count,
+                                     block_table=table)
+
+    text = jax.jit(chunk).trace(q, k, count, table).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.custom_call @mosaic_gpu" in text
+    long = (1, 32, 8, 131072, 131072, 128, 8, 128)
+    stepped = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16)
+    assert stepped.call_rows == 8192
+    assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, stepped)
+
+
+@needs_mosaic_gpu
 @pytest.mark.parametrize("queries", QUERY_LAYOUTS)
 @pytest.mark.parametrize("block_size, block_k", [(128, 128), (1024, 128), (128, 256)])
 def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k):
@@ -379,6 +489,67 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
     assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
 
 
+def _keys_in_use(rand, k, key_len: int, page_size: int | None):
+    """k with NaN past `key_len` (no kernel may read them into a score), and with
+    `page_size` as a shuffled page pool (3 spare pages of NaN) and its block table."""
+    k = jnp.where(jnp.arange(k.shape[2])[:, None] < key_len, k, jnp.nan).astype(k.dtype)
+    if page_size is None:
+        return k, None
+    return rand.paged(page_size, k)
+
+
+def _block_sums_with(q, k, geom, plan, *, causal, key_len, page_size, rand):
+    """The Mosaic block sums of q and k with `key_len` keys in use (None: all) and k
+    paged with `page_size` (None: contiguous), and the reference's."""
+    keys, table = (k, None) if key_len is None else _keys_in_use(rand, k, key_len, page_size)
+    count = None if key_len is None else jnp.asarray([key_len], jnp.int32)
+    got = block_sums.block_sums(q, keys, plan=plan, causal=causal, norm=1.0,
+                                key_len=count, block_table=table)
+    want = reference.block_sums(q, k, geom, causal=causal, norm=1.0,
+                                key_len=None if key_len is None else jnp.int32(key_len))
+    return np.asarray(got), want
+
+
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
+# plan options): keys in use of a contiguous buffer, ending inside a stride group
+# (its column scored outside the kernel) and inside a key tile, then at a tile's end, and
+# one key (no whole group: the kernel walks no tile); a paged cache of pages of 64 x S
+# tokens (a key tile each) with the keys ending in a page; row steps of 128 rows (3
+# steps over 19 query blocks, the last overlapping the one before) causal and
+# non-causal, and of a cluster of 2 resident row tiles.
+INTERPRET_KEY_CASES = [
+    (2, 2, 1, 190, 512, 64, 2, 32, False, 301, None, {"block_k": 64}),
+    (1, 2, 1, 128, 512, 64, 2, 32, False, 256, None, {"block_k": 64}),
+    (1, 2, 1, 128, 512, 64, 2, 32, False, 1, None, {"block_k": 64}),
+    (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {}),
+    (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_rows": 128}),
+    (1, 2, 1, 600, 700, 64, 2, 32, False, None, None, {"block_k": 64, "call_rows": 128}),
+    (1, 2, 1, 600, 664, 64, 2, 32, True, None, None,
+     {"block_k": 64, "call_rows": 128, "queries": "resident", "cluster": 2}),
+]
+
+
+@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
+@pytest.mark.parametrize("case", INTERPRET_KEY_CASES)
+def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
+    """Keys in use (the rest NaN), paged caches and row steps on CPU: equal to the
+    reference within float32 rounding, no race."""
+    *shape, causal, key_len, page_size, options = case
+    geom = _geom(*shape, causal)
+    q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size, **options)
+    assert plan.call_rows == options.get("call_rows", 0)
+    with mosaic_interpret.interpret_kernel() as races_found:
+        got, want = _block_sums_with(q, k, geom, plan, causal=causal, key_len=key_len,
+                                     page_size=page_size, rand=rand)
+        assert not races_found(), str(rand)
+    assert not np.isnan(got).any(), f"{case} {rand}"
+    err = npr.rel_err(got, want)
+    assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
+
+
 @pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
                     reason=str(mosaic_interpret.unsupported_reason()))
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
@@ -425,15 +596,34 @@ GPU_CASES = [
 ]
 
 
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
+# plan options): the chunk scores' calls (keys in use ending inside a stride group, in a
+# contiguous buffer and in pages of 4096, 1024 and 512 tokens: key tiles of 256, 128 and
+# 64 columns), row steps (causal and not; 8 and 3 steps, the last overlapping).
+GPU_KEY_CASES = [
+    (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
+    (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
+    (1, 32, 8, 2048, 16384, 128, 8, 128, False, 16383, 1024, {}),
+    (1, 8, 2, 1000, 8192, 64, 8, 256, False, 4097, 512, {}),
+    (1, 8, 2, 8192, 8192, 128, 8, 128, True, None, None, {"call_rows": 128}),
+    (1, 8, 2, 5000, 7048, 128, 8, 128, False, None, None, {"call_rows": 256}),
+]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("case", [(*case[:-1], None, None, case[-1]) for case in GPU_CASES]
+                         + GPU_KEY_CASES)
 def test_kernel_equals_reference(rand, case):
-    *shape, causal, options = case
+    """The compiled kernel against the reference within float32 rounding: every plan
+    variant on all keys, then keys in use (the rest NaN), pages and row steps."""
+    *shape, causal, key_len, page_size, options = case
     geom = _geom(*shape, causal)
     q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
-    got = block_sums.block_sums(q, k, plan=plan, causal=causal, norm=1.0)
-    want = reference.block_sums(q, k, geom, causal=causal, norm=1.0)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size, **options)
+    got, want = _block_sums_with(q, k, geom, plan, causal=causal, key_len=key_len,
+                                 page_size=page_size, rand=rand)
+    assert not np.isnan(got).any(), f"{case} {rand}"
     err = npr.rel_err(got, want)
     assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
+

@@ -7,7 +7,8 @@ and nowhere else.
   (`strided_scores`, `block_sums`, `select_blocks`); no attention kernel.
 - "mosaic": Pallas kernels on the Mosaic GPU backend (`xattn_jax.mosaic`); NVIDIA Hopper
   GPUs (H100, H200). Block-sparse attention, and the estimate's fused block sums
-  (sections 1-3) on a contiguous k with all keys in use (a ValueError names what else a
+  (sections 1-3, and so the chunk scores of section 5: a count of keys in use, paged
+  caches with pages of a multiple of 64 x stride tokens; a ValueError names what else a
   call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
   "mosaic" on Hopper, its block sums running the Triton kernel for the calls they do not
@@ -71,18 +72,22 @@ class Implementation:
                    block_table=None, max_scratch_bytes: int | None = None) -> jax.Array:
         """Sections 1-3: float32 `[B, Hq, qb, kb]`. key_len: int32 `[]` (keys in use of
         a padded buffer, default all); block_table: int32 `[B, pages_per_seq]` when k is
-        a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the Triton
-        one-pass kernel's workspace bound (the reference has none)."""
+        a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the one-pass
+        kernels' workspace bound, Triton's or Mosaic's (the reference has none)."""
         if self.name == "reference":
             keys = k if block_table is None else reference.gather_pages(k, block_table)
             return reference.block_sums(q, keys, geom, causal=causal, norm=norm,
                                         key_len=key_len)
         if self.name == "mosaic":
-            plan, reason = _mosaic_plan(geom, q.dtype, key_len, block_table,
-                                        max_scratch_bytes)
+            page_size = None if block_table is None else k.shape[1]
+            plan, reason = _mosaic_plan(geom, q.dtype, causal, key_len is not None,
+                                        page_size, max_scratch_bytes)
             if plan is not None:
                 from xattn_jax.mosaic import block_sums as mosaic_sums  # imports Mosaic GPU
-                return mosaic_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm)
+                return mosaic_sums.block_sums(
+                    q, k, plan=plan, causal=causal, norm=norm,
+                    key_len=None if key_len is None else key_len.reshape(1),
+                    block_table=block_table)
             if not self.fallback:
                 raise ValueError(reason)
         plan = plan_block_sums(geom, q.dtype, causal, interpret=self.interpret,
@@ -101,21 +106,19 @@ class Implementation:
         return triton_select.select_blocks(sums, threshold, plan=plan, **rules)
 
 
-def _mosaic_plan(geom: Geometry, dtype, key_len, block_table, max_scratch_bytes):
+def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
+                 page_size: int | None, max_scratch_bytes: int | None):
     """`(plan, None)` of the Mosaic block sums for this call, or `(None, reason)` saying
     why they cannot take it."""
     from xattn_jax.mosaic import estimate_plan  # plain Python, no Mosaic GPU
 
-    reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len is not None,
-                                              paged=block_table is not None)
+    reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len, causal=causal,
+                                              page_size=page_size,
+                                              max_scratch_bytes=max_scratch_bytes)
     if reason is not None:
         return None, f"{reason}; impl='triton' or 'auto' take this call"
-    plan = estimate_plan.estimate_plan(geom, dtype)
-    if max_scratch_bytes is not None and plan.scratch_bytes > max_scratch_bytes:
-        return None, (f"impl='mosaic' block sums need {plan.scratch_bytes} bytes of "
-                      f"statistics, over max_scratch_bytes={max_scratch_bytes}; "
-                      f"impl='triton' works within the bound")
-    return plan, None
+    return estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
+                                       max_scratch_bytes=max_scratch_bytes), None
 
 
 def device_of(*arrays) -> jax.Device | None:

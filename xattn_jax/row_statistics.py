@@ -1,6 +1,7 @@
 """The exact epilogue of the one-pass block sums (docs/estimate.md sections 2-3), shared
 by the one-pass kernels of both backends (`xattn_jax.triton.one_pass`,
-`xattn_jax.mosaic.block_sums`).
+`xattn_jax.mosaic.block_sums`), and the walk of a call made of several kernel calls
+(`in_steps`).
 
 A row's softmax needs its maximum and sum over every key before any block sum can be
 normalized, so those kernels store, per reshaped query row r and key tile t, the tile's
@@ -18,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.geometry import Geometry
+from xattn_jax.geometry import Geometry, cdiv
 
 LOG2_E = 1.4426950408889634  # scores are kept in base 2: 2^(A log2 e) = e^A
 
@@ -81,3 +82,24 @@ def combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry
     units = jnp.moveaxis(rows_summed, 2, 3).reshape(b, h, q_blocks, -1)  # [B, Hq, qb, T*P]
     units = fit(units, 3, geom.k_blocks * per_block)
     return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)
+
+
+def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of) -> jax.Array:
+    """The block sums `[B, Hq, qb, kb]` of a call made of several kernel calls, one after
+    another: `heads` query heads and `blocks` query blocks each, block_sums_of(first_head,
+    first_row, blocks) giving `[B, heads, blocks, kb]` (first_row in reshaped rows; both
+    traced int32). Each writes its part of the result in place; the last head group and
+    the last row step of each start early enough to end at the last head and block
+    (recomputing, identically, a few the one before wrote), so nothing is padded or
+    copied."""
+    row_steps = cdiv(geom.q_blocks, blocks)
+
+    def one_call(i, out):
+        # lax.div/rem: i >= 0
+        head = jnp.minimum(jax.lax.div(i, row_steps) * heads, geom.q_heads - heads)
+        start = jnp.minimum(jax.lax.rem(i, row_steps) * blocks, geom.q_blocks - blocks)
+        part = block_sums_of(head, start * geom.block_rows, blocks)
+        return jax.lax.dynamic_update_slice(out, part, (0, head, start, 0))
+
+    out = jnp.zeros((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks), jnp.float32)
+    return jax.lax.fori_loop(0, cdiv(geom.q_heads, heads) * row_steps, one_call, out)

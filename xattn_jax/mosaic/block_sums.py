@@ -1,12 +1,15 @@
 """Sections 1-3 fused on Hopper: the Mosaic GPU block sums.
 
-`block_sums` pads q and k to whole tiles (a copy only where a length is not a multiple of
-the tile), runs the row-statistics kernel (`xattn_jax.mosaic.tile_stats`, imported on
-first call only, so that this module imports with any jax), marks the statistics of key
-tiles a row tile never sees as empty (-inf maxima, zero sums: the kernel does not write
-them), and normalizes exactly with the Triton one-pass kernel's epilogue
-(`xattn_jax.row_statistics.combine`, as the Triton one-pass kernel: the statistics are
-the same).
+`block_sums` pads q (and a contiguous k) to whole tiles (a copy only where a length is
+not a multiple of the tile), runs the row-statistics kernel (`xattn_jax.mosaic.
+tile_stats`, imported on first call only, so that this module imports with any jax),
+marks the statistics of key tiles a row tile never sees as empty (-inf maxima, zero
+sums: the kernel does not write them), and normalizes exactly with the epilogue the
+Triton one-pass kernel shares (`xattn_jax.row_statistics.combine`: the statistics are
+the same). A count of keys in use that ends inside a stride group gets that group's
+column scored outside the kernel (`xattn_jax.last_group`); a call whose statistics
+exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`,
+`row_statistics.in_steps`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import EstimatePlan, visible_tiles
-from xattn_jax.row_statistics import LOG2_E, combine
+from xattn_jax.last_group import merge_column, split_last_group
+from xattn_jax.mosaic.estimate_plan import COLUMN_TILE, EstimatePlan, visible_tiles
+from xattn_jax.row_statistics import LOG2_E, combine, in_steps
 
 
 def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
@@ -28,34 +32,78 @@ def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
     return x.reshape(b, h, length // stride, stride, d)
 
 
-def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool):
-    """The kernel's statistics `[B, Hq, T, planes, R]` as `combine` takes them: maxima and
-    totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R, P]`; tiles a row tile does not see
-    become empty (-inf, 0), whatever their memory holds."""
+def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool, first_row, cols):
+    """The kernel's statistics `[B, Hq, T, planes, R]` of rows first_row .. first_row + R
+    as `combine` takes them: maxima and totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R,
+    P]`; tiles a row tile does not see (`cols`: the key columns in use) become empty
+    (-inf, 0), whatever their memory holds."""
     units = plan.units_per_tile
-    row0 = jnp.arange(plan.padded_rows, dtype=jnp.int32) // plan.rows * plan.rows
-    seen = jnp.arange(plan.key_tiles)[:, None] < visible_tiles(plan, causal, row0)[None, :]
+    row0 = first_row + jnp.arange(stats.shape[-1], dtype=jnp.int32) // plan.rows * plan.rows
+    seen = (jnp.arange(plan.key_tiles)[:, None]
+            < visible_tiles(plan, causal, row0, cols)[None, :])
     maxes = jnp.where(seen, stats[:, :, :, 0], -jnp.inf)
     sums = jnp.where(seen[..., None], jnp.moveaxis(stats[:, :, :, 1:1 + units], 3, 4), 0.0)
     totals = jnp.where(seen, stats[:, :, :, 1 + units], 0.0) if units > 1 else sums[..., 0]
     return maxes, sums, totals
 
 
+def _keys(k: jax.Array, block_table, plan: EstimatePlan):
+    """k as the kernel reads it: contiguous `[B, Hkv, Lk, D]` zero-padded to whole key
+    tiles and viewed `[B, Hkv, padded_cols, S, D]`, or a paged cache `[num_pages,
+    page_size, Hkv, D]` viewed `[num_pages, page_size / S, S, Hkv, D]` with its table's ids
+    clamped into [0, num_pages)."""
+    s = plan.geom.stride
+    if block_table is None:
+        return _strided(k, s, plan.padded_cols * s), None
+    pages, page_size, kv_heads, d = k.shape
+    return (k.reshape(pages, page_size // s, s, kv_heads, d),
+            jnp.clip(block_table.astype(jnp.int32), 0, pages - 1))
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "causal", "norm"))
 def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
-               norm: float) -> jax.Array:
+               norm: float, key_len: jax.Array | None = None,
+               block_table: jax.Array | None = None) -> jax.Array:
     """Mosaic GPU sections 1-3: float32 block sums `[B, Hq, ceil(Lq/bs), ceil(Lk/bs)]`.
 
-    q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, bfloat16 or float16 (one dtype); plan: from
-    `estimate_plan.estimate_plan` for this geometry and dtype. Arguments are assumed
-    checked (`xattn_jax.checks`); all Lk keys are in use.
+    q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, bfloat16 or float16 (one dtype), or with
+    `block_table` (int32 `[B, pages_per_seq]`) a paged cache `[num_pages, page_size, Hkv,
+    D]` (Lk = pages_per_seq x page_size; `plan.page_size` = page_size; ids are clamped
+    into the cache). key_len: int32 `[1]`, the keys in use (non-causal calls; default
+    all Lk, more counts as Lk): later keys are never seen, whatever the buffer holds
+    there, and one compiled kernel serves every count. plan: from
+    `estimate_plan.estimate_plan` for this geometry, dtype and page size. Arguments are
+    assumed checked (`xattn_jax.checks`).
     """
     from xattn_jax.mosaic import tile_stats  # imports Mosaic GPU: only where it runs
 
     geom = plan.geom
-    s = geom.stride
-    stats = tile_stats.tile_stats(_strided(q, s, plan.padded_rows * s),
-                                  _strided(k, s, plan.padded_cols * s), plan=plan,
-                                  causal=causal, scale=geom.scale / norm * LOG2_E)
-    maxes, sums, totals = _planes(stats, plan, causal)
-    return combine(maxes, sums, totals, geom, plan.unit, 0, geom.q_blocks, True)
+    keys, table = _keys(k, block_table, plan)
+    queries = _strided(q, geom.stride, plan.padded_rows * geom.stride)
+    # all keys: the last group's padding zeros count, as without the kernel (section 1)
+    kernel_keys = jnp.full((1,), geom.k_cols * geom.stride, jnp.int32)
+    last_group, sees_keys = None, True
+    if key_len is not None:
+        kernel_keys, *last_group = split_last_group(q, k, key_len, block_table, geom, norm)
+        sees_keys = key_len[0] > 0
+    cols = kernel_keys[0] // geom.stride
+    scale = geom.scale / norm * LOG2_E
+
+    def block_sums_of(first_head, first_row, q_blocks):
+        """`[B, Hq, q_blocks, kb]` of the rows from first_row (all heads: first_head 0)."""
+        del first_head
+        first = jnp.asarray(first_row, jnp.int32)[None] // COLUMN_TILE  # tile_stats' unit
+        scalars = jnp.concatenate([kernel_keys, first])
+        stats = tile_stats.tile_stats(queries, keys, table, scalars, plan=plan,
+                                      causal=causal, scale=scale,
+                                      keys_in_use=key_len is not None)
+        maxes, sums, totals = _planes(stats, plan, causal, first_row, cols)
+        if last_group is not None:
+            maxes, sums, totals = merge_column(
+                maxes, sums, totals, last_group, first_head=0, first_row=first_row,
+                row_extent=plan.padded_rows, block_k=plan.block_k, unit=plan.unit)
+        return combine(maxes, sums, totals, geom, plan.unit, first_row, q_blocks, sees_keys)
+
+    if not plan.call_rows:
+        return block_sums_of(0, 0, geom.q_blocks)
+    return in_steps(geom, geom.q_heads, plan.call_rows // geom.block_rows, block_sums_of)

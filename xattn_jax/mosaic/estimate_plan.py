@@ -33,6 +33,11 @@ per key tile):
   non-causal call, whose row tiles all walk every key tile, ignores the flag (one row
   tile per CTA).
 
+Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
+pages hold whole key tiles: `page_size`) and in how many kernel calls it runs: one,
+or row steps of every head (`call_rows`) where its statistics would exceed
+MAX_SCRATCH_BYTES or the caller's bound.
+
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
 """
@@ -40,6 +45,7 @@ Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_chec
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -80,9 +86,12 @@ HEAD_DIMS = (64, 128)
 MAX_BLOCK_K = 256  # a consumer's float32 accumulator: block_k / 2 registers per thread
 COLUMN_TILE = 8  # the wgmma register layout's column tile: unit sums slice at this grain
 STAT_BYTES = 4  # float32 statistics
-# Scratch bound: the statistics of one call, as the Triton one-pass kernel's whole call
-# (row and head steps are not implemented yet: larger calls are refused)
+# The statistics of one kernel call: at most the Triton one-pass kernel's whole-call bound.
+# A larger call runs in row steps over all heads (`EstimatePlan.call_rows`), each within
+# it (a caller's max_scratch_bytes replaces it).
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
+# SMs of an H100 SXM / H200: the waves of a row step's CTAs (`_call_rows`)
+HOPPER_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +105,12 @@ class EstimatePlan(UnitSums):
     LEAVE_OUT that the kernel skips (timing only); queries: the layout of the queries,
     one of QUERY_LAYOUTS; stagger (streamed queries only): consumer 1 starts
     `lag_steps` steps late; pair_rows (streamed queries only, ignored by non-causal
-    calls): each CTA of a causal call walks row tiles i and R - 1 - i
-    (`paired_row_tiles`).
+    calls and row steps): each CTA of a causal call walks row tiles i and R - 1 - i
+    (`paired_row_tiles`); call_rows: the reshaped query rows of every head one kernel
+    call covers, 0 for all (one call), else a multiple of `row_quantum`: the call runs in
+    row steps (`_call_rows` sizes them); page_size: the tokens per page of a paged k
+    (None: a contiguous k), a multiple of block_k x S, so that a key tile lies in one
+    page.
     """
 
     geom: Geometry
@@ -109,6 +122,8 @@ class EstimatePlan(UnitSums):
     queries: str = QUERIES
     stagger: bool = False
     pair_rows: bool = PAIR_ROWS
+    call_rows: int = 0
+    page_size: int | None = None
 
     @property
     def rows(self) -> int:
@@ -123,19 +138,37 @@ class EstimatePlan(UnitSums):
         return cdiv(self.geom.q_rows, self.rows * self.cluster) * self.cluster
 
     def paired(self, causal: bool) -> bool:
-        """Whether each CTA walks two row tiles: `pair_rows` in a causal call."""
-        return self.pair_rows and causal
+        """Whether each CTA walks two row tiles: `pair_rows` in a causal call of one
+        kernel call."""
+        return self.pair_rows and causal and not self.call_rows
 
     def row_groups(self, causal: bool) -> int:
         """The kernel grid's row axis, per (batch, query head): ceil(R / 2) CTAs with
-        paired row tiles, else one cluster per `cluster` row tiles (R = row_tiles)."""
+        paired row tiles, else one cluster per `cluster` row tiles of a kernel call
+        (R = row_tiles)."""
         if self.paired(causal):
             return cdiv(self.row_tiles, 2)
-        return self.row_tiles // self.cluster
+        return self.rows_per_call // (self.rows * self.cluster)
 
     @property
     def padded_rows(self) -> int:
-        return self.row_tiles * self.rows
+        """The reshaped query rows of every row tile; with row steps, at least as many as
+        the last step reads (it ends at the last query block)."""
+        rows = self.row_tiles * self.rows
+        if self.call_rows:
+            return max(rows, self.geom.q_blocks * self.geom.block_rows)
+        return rows
+
+    @property
+    def row_quantum(self) -> int:
+        """A row step's rows are a multiple of this: whole clusters of row tiles and
+        whole query blocks."""
+        return math.lcm(self.rows * self.cluster, self.geom.block_rows)
+
+    @property
+    def rows_per_call(self) -> int:
+        """The reshaped query rows of every head one kernel call covers."""
+        return self.call_rows or self.row_tiles * self.rows
 
     @property
     def key_tiles(self) -> int:
@@ -183,24 +216,34 @@ class EstimatePlan(UnitSums):
         return max(1, min(self.steps_per_tile // 2, self.stages - 1))
 
     @property
-    def scratch_bytes(self) -> int:
-        """The statistics array: `[B, Hq, key_tiles, stat_planes, padded_rows]` floats."""
+    def row_scratch_bytes(self) -> int:
+        """The statistics of one reshaped query row of every head and batch element."""
         geom = self.geom
-        return (geom.batch * geom.q_heads * self.key_tiles * self.stat_planes
-                * self.padded_rows * STAT_BYTES)
+        return geom.batch * geom.q_heads * self.key_tiles * self.stat_planes * STAT_BYTES
+
+    @property
+    def scratch_bytes(self) -> int:
+        """One kernel call's statistics: `[B, Hq, key_tiles, stat_planes, rows_per_call]`
+        floats."""
+        return self.row_scratch_bytes * self.rows_per_call
 
 
 def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
-                       paged: bool = False, queries: str = QUERIES) -> str | None:
+                       causal: bool = False, page_size: int | None = None,
+                       queries: str = QUERIES,
+                       max_scratch_bytes: int | None = None) -> str | None:
     """Why the Mosaic block-sum kernel cannot run this call (None if it can) with the
-    `queries` layout (QUERY_LAYOUTS; ValueError for another).
+    `queries` layout (QUERY_LAYOUTS; ValueError for another). key_len: whether a count of
+    keys in use is given; page_size: the tokens per page of a paged k (None: contiguous).
 
     It needs q and k in bfloat16 or float16, D in HEAD_DIMS, block_size a multiple of
-    COLUMN_TILE x stride, all Lk keys in use (no key_len) in a contiguous k (no paged
-    cache), the CTA's shared memory with a ring of MIN_STAGES slots (resident queries:
-    64 rows x S x D of them besides, which S 16 at D 128 exceeds), and statistics within
-    MAX_SCRATCH_BYTES. Any Lq and Lk otherwise (padded to whole tiles by the caller). The
-    Triton backend takes everything else.
+    COLUMN_TILE x stride, key_len in non-causal calls only, pages of a multiple of 64 x
+    stride tokens (a key tile of at least 64 columns in one page), the CTA's shared
+    memory with a ring of MIN_STAGES slots (resident queries: 64 rows x S x D of them
+    besides, which S 16 at D 128 exceeds), and the statistics of one row step of every
+    head holding a wave of CTAs within `max_scratch_bytes` (default MAX_SCRATCH_BYTES;
+    `_call_rows`). Any Lq and Lk otherwise
+    (padded to whole tiles by the caller). The Triton backend takes everything else.
     """
     _check_queries(queries)
     dtype = jnp.dtype(dtype)
@@ -211,40 +254,55 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     if geom.block_rows % COLUMN_TILE:
         return (f"impl='mosaic' needs block_size a multiple of {COLUMN_TILE} x stride = "
                 f"{COLUMN_TILE * geom.stride}; got {geom.block_size}")
-    if key_len or paged:
-        return ("impl='mosaic' block sums read a contiguous k with all keys in use "
-                "(no key_len, no paged cache) in this version")
-    plan = EstimatePlan(geom, BLOCK_K[queries], BLOCK_D, MIN_STAGES, queries=queries,
-                        stagger=default_stagger(queries))
+    if key_len and causal:
+        return "impl='mosaic' block sums take key_len in non-causal calls only"
+    if page_size is not None and page_size % (64 * geom.stride):
+        return (f"impl='mosaic' reads paged caches whose pages hold a multiple of 64 x "
+                f"stride = {64 * geom.stride} tokens; got page_size {page_size}")
+    plan = EstimatePlan(geom, _default_block_k(queries, page_size, geom.stride), BLOCK_D,
+                        MIN_STAGES, queries=queries, stagger=default_stagger(queries),
+                        page_size=page_size)
     smem = plan.smem_bytes(dtype.itemsize)
     if smem > SMEM_BYTES:
         return (f"impl='mosaic' with {queries} queries ({plan.rows} rows x stride "
                 f"{geom.stride} x head_dim {geom.head_dim} per CTA) needs {smem} bytes of "
                 f"shared memory with a ring of {MIN_STAGES} slots, over {SMEM_BYTES}")
-    if plan.scratch_bytes > MAX_SCRATCH_BYTES:
-        return (f"impl='mosaic' block sums need {plan.scratch_bytes} bytes of statistics, "
-                f"over {MAX_SCRATCH_BYTES} (row steps are not implemented yet)")
+    bound = max_scratch_bytes or MAX_SCRATCH_BYTES
+    if _call_rows(plan, bound) is None:
+        rows = _wave_rows(plan)
+        return (f"impl='mosaic' block sums need {plan.row_scratch_bytes * rows} bytes of "
+                f"statistics for one row step of a wave of CTAs ({rows} rows of every "
+                f"head), over max_scratch_bytes={bound}")
     return None
 
 
 def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   stages: int | None = None, cluster: int | None = None,
                   leave_out: str | None = None, queries: str | None = None,
-                  stagger: bool | None = None,
-                  pair_rows: bool | None = None) -> EstimatePlan:
-    """The plan of one call. block_k (a multiple of 64, at most MAX_BLOCK_K), stages,
-    cluster (in CLUSTERS; the streamed queries take 1 only), queries (in QUERY_LAYOUTS),
-    stagger (the staggered consumers, streamed queries only) and pair_rows (two row
-    tiles per CTA in causal calls, streamed queries only) override the defaults (tuning
-    runs): QUERIES, BLOCK_K of the layout, STAGGER with the streamed queries, PAIR_ROWS,
-    and the most stages that fit in shared memory, at most MAX_STAGES. leave_out: a
-    timing variant (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
-    (`unsupported_reason`) and overrides that do not fit."""
+                  stagger: bool | None = None, pair_rows: bool | None = None,
+                  page_size: int | None = None, max_scratch_bytes: int | None = None,
+                  call_rows: int | None = None) -> EstimatePlan:
+    """The plan of one call. page_size: the tokens per page of a paged k (None:
+    contiguous); max_scratch_bytes: the statistics one kernel call may hold (default
+    MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
+
+    block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
+    stages, cluster (in CLUSTERS; the streamed queries take 1 only), queries (in
+    QUERY_LAYOUTS), stagger (the staggered consumers, streamed queries only), pair_rows
+    (two row tiles per CTA in causal calls, streamed queries only) and call_rows (the
+    rows of a row step, a multiple of `EstimatePlan.row_quantum`, or 0 for one call)
+    override the defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a
+    paged k, the largest multiple of 64 up to it that divides a page's columns), STAGGER
+    with the streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at
+    most MAX_STAGES, and `_call_rows`. leave_out: a timing variant (LEAVE_OUT). Raises
+    ValueError for arguments the kernel does not take (`unsupported_reason`) and
+    overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
         stagger = default_stagger(queries)
     pair_rows = PAIR_ROWS if pair_rows is None else pair_rows
-    reason = unsupported_reason(geom, dtype, queries=queries)
+    reason = unsupported_reason(geom, dtype, queries=queries, page_size=page_size,
+                                max_scratch_bytes=max_scratch_bytes)
     if reason is not None:
         raise ValueError(reason)
     if leave_out not in (None, *LEAVE_OUT):
@@ -262,10 +320,13 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stagger and queries != "streamed":
         raise ValueError("stagger needs queries='streamed' (the resident queries' "
                          f"consumers take the key tiles in turns); got {queries!r}")
-    block_k = BLOCK_K[queries] if block_k is None else block_k
+    block_k = _default_block_k(queries, page_size, geom.stride) if block_k is None else block_k
     if block_k % 64 or not 64 <= block_k <= MAX_BLOCK_K:
         raise ValueError(f"block_k must be a multiple of 64 in [64, {MAX_BLOCK_K}]; got "
                          f"{block_k}")
+    if page_size is not None and page_size % (block_k * geom.stride):
+        raise ValueError(f"block_k must divide a page's {page_size // geom.stride} reshaped "
+                         f"columns (a key tile in one page); got {block_k}")
     itemsize = jnp.dtype(dtype).itemsize
     if stages is None:
         fits = [n for n in range(MIN_STAGES, MAX_STAGES + 1)
@@ -275,15 +336,69 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
-                        bool(stagger), bool(pair_rows))
+                        bool(stagger), bool(pair_rows), page_size=page_size)
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
                          f"{SMEM_BYTES}")
-    if plan.scratch_bytes > MAX_SCRATCH_BYTES:
-        raise ValueError(f"plan {plan} needs {plan.scratch_bytes} bytes of statistics; "
-                         f"the limit is {MAX_SCRATCH_BYTES}")
-    return plan
+    bound = max_scratch_bytes or MAX_SCRATCH_BYTES
+    if call_rows is None:
+        call_rows = _call_rows(plan, bound)
+        if call_rows is None:
+            raise ValueError(f"plan {plan} needs {plan.row_scratch_bytes * _wave_rows(plan)}"
+                             f" bytes of statistics for one row step of a wave of CTAs; "
+                             f"the limit is {bound}")
+    elif call_rows < 0 or call_rows % plan.row_quantum:
+        raise ValueError(f"call_rows must be 0 or a positive multiple of {plan.row_quantum}"
+                         f" (whole clusters of row tiles and whole query blocks); got "
+                         f"{call_rows}")
+    return dataclasses.replace(plan, call_rows=call_rows)
+
+
+def _wave_rows(plan: EstimatePlan) -> int:
+    """The rows of the smallest row step holding a CTA per SM (HOPPER_SMS)."""
+    geom = plan.geom
+    rows = cdiv(HOPPER_SMS * plan.rows, geom.batch * geom.q_heads)
+    return cdiv(rows, plan.row_quantum) * plan.row_quantum
+
+
+def _default_block_k(queries: str, page_size: int | None, stride: int) -> int:
+    """BLOCK_K of the layout or, with a paged k (pages of a multiple of 64 x stride
+    tokens), the largest multiple of 64 up to it dividing a page's reshaped columns."""
+    if page_size is None:
+        return BLOCK_K[queries]
+    page_cols = page_size // stride
+    return max(n for n in range(64, BLOCK_K[queries] + 1, 64) if page_cols % n == 0)
+
+
+def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
+    """The rows of every head one kernel call covers within `bound` bytes of
+    statistics: 0 (all, one call) where they fit, else a multiple of `row_quantum` whose
+    row steps keep HOPPER_SMS SMs busy (at least one CTA each) and take the fewest waves
+    of CTAs in all (steps x waves per step: a step's CTAs see about as many key tiles
+    each, so a step lasts about its waves); of equals, the one computing the fewest rows
+    twice (the last step ends at the last query block, overlapping the one before), then
+    the largest (fewer calls). None if no such step fits: steps of less than a wave ran
+    slower than the Triton kernel's (causal 128K within 64 MiB: 20.3 against 18.0 ms on
+    the H200, mosaic_estimate_h200.md, session 12), which "auto" then runs."""
+    geom = plan.geom
+    if plan.row_scratch_bytes * plan.row_tiles * plan.rows <= bound:
+        return 0
+    quantum = plan.row_quantum
+    extent = geom.q_blocks * geom.block_rows  # the rows the steps cover
+
+    def ctas(rows: int) -> int:
+        return geom.batch * geom.q_heads * rows // plan.rows
+
+    def waves(rows: int) -> int:
+        return cdiv(extent, rows) * cdiv(ctas(rows), HOPPER_SMS)
+
+    fit = min(bound // plan.row_scratch_bytes, cdiv(extent, quantum) * quantum)
+    steps = [rows for rows in range(quantum, fit // quantum * quantum + 1, quantum)
+             if ctas(rows) >= HOPPER_SMS]
+    if not steps:
+        return None
+    return min(steps, key=lambda rows: (waves(rows), cdiv(extent, rows) * rows, -rows))
 
 
 def default_stagger(queries: str) -> bool:
@@ -297,18 +412,21 @@ def _check_queries(queries: str) -> None:
         raise ValueError(f"queries must be one of {QUERY_LAYOUTS}; got {queries!r}")
 
 
-def visible_tiles(plan: EstimatePlan, causal: bool, row0):
+def visible_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
     """Key tiles 0 .. n - 1 hold a column some row of the row tile (`plan.rows` rows)
     starting at `row0` (a Python int, a traced int32 scalar or an int32 array) may see
-    (section 2: column j <= row + (Lk - Lq) / S with causal, j < k_cols always). Shared
-    by the kernel (the tiles a CTA computes; with clusters, those of the cluster's last
-    row tile) and the epilogue (which statistics are real)."""
+    (section 2: column j <= row + (Lk - Lq) / S with causal, j < cols always). cols: the
+    reshaped key columns in use (an int or a traced int32 scalar; default all k_cols).
+    Shared by the kernel (the tiles a CTA computes; with clusters, those of the cluster's
+    last row tile) and the epilogue (which statistics are real)."""
     geom = plan.geom
     row0 = jnp.asarray(row0, jnp.int32)
+    cols = geom.k_cols if cols is None else cols
     if not causal:
-        return jnp.full(row0.shape, plan.key_tiles, jnp.int32)
-    last_col = jnp.minimum(row0 + (plan.rows - 1 + geom.row_offset), geom.k_cols - 1)
-    return _div(last_col, plan.block_k) + 1
+        return jnp.broadcast_to(_div(jnp.asarray(cols, jnp.int32) + (plan.block_k - 1),
+                                     plan.block_k), row0.shape)
+    seen_cols = jnp.maximum(jnp.minimum(row0 + (plan.rows + geom.row_offset), cols), 0)
+    return _div(seen_cols + (plan.block_k - 1), plan.block_k)
 
 
 def paired_row_tiles(plan: EstimatePlan, group):
@@ -322,14 +440,15 @@ def paired_row_tiles(plan: EstimatePlan, group):
     return group, plan.row_tiles - 1 - group
 
 
-def unmasked_tiles(plan: EstimatePlan, causal: bool, row0):
+def unmasked_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
     """Key tiles 0 .. n - 1 every row from `row0` on sees in full (they do if row0
-    does): the kernel masks only the later ones."""
+    does): the kernel masks only the later ones. cols: as `visible_tiles`."""
     geom = plan.geom
     row0 = jnp.asarray(row0, jnp.int32)
-    whole = geom.k_cols // plan.block_k
+    cols = geom.k_cols if cols is None else cols
+    whole = _div(jnp.asarray(cols, jnp.int32), plan.block_k)
     if not causal:
-        return jnp.full(row0.shape, whole, jnp.int32)
+        return jnp.broadcast_to(whole, row0.shape)
     return jnp.minimum(_div(row0 + (geom.row_offset + 1), plan.block_k), whole)
 
 

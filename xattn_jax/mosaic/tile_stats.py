@@ -58,6 +58,21 @@ see (past the keys, or after its first row's causal diagonal) come last and are 
 per element. Tiles no row of the row tile sees are neither computed nor stored
 (`estimate_plan.visible_tiles`: the caller fills them).
 
+Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
+memory by every warpgroup): the kernel sees only the first `scalars[0]` keys, whole
+stride groups (the partly filled group after them is scored by the caller,
+`xattn_jax.last_group`): a CTA walks no key tile past them and masks the one holding
+their end, so later keys (past a chunk's context, or any bytes a buffer holds there)
+never enter a statistic. With `plan.page_size`, k is a paged cache viewed as
+`[num_pages, page_size / S, S, Hkv, D]`: a key tile lies in one page (page_size a
+multiple of block_k x S), which the producer looks up in the block table, so that the
+key chunk is the same TMA box of another source. A call in row steps
+(`plan.call_rows`) covers the rows COLUMN_TILE x `scalars[1]` .. + call_rows of every
+head (a multiple of COLUMN_TILE, as Mosaic GPU's TMA layout inference wants the query
+rows' index known to be): the queries are read at those rows and visibility counts
+them, while the statistics are written at the call's own rows (its scratch holds
+call_rows).
+
 `plan.leave_out` (timing only) skips the consumers' products or their statistics past
 the maxima; the pipeline and the stores stay.
 
@@ -79,43 +94,53 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from xattn_jax.mosaic.estimate_plan import (CONSUMERS, WGMMA_ROWS, EstimatePlan,
-                                            paired_row_tiles, unmasked_tiles,
-                                            visible_tiles)
+from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
+                                            EstimatePlan, paired_row_tiles,
+                                            unmasked_tiles, visible_tiles)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
 CLUSTER_AXIS = "cluster"
 
 
-def _cta_row_tiles(plan: EstimatePlan, causal: bool):
+def _cta_row_tiles(plan: EstimatePlan, causal: bool, first_row, cols):
     """The row tiles this CTA walks, in order: (count, row_tile) with count the Python
     int 1, or with paired row tiles (`estimate_plan.paired_row_tiles`) a traced int32 1
     or 2, and row_tile(j) -> (row0, num_tiles) for its j-th row tile (j: 0, or a traced
-    int32 with the paired ones): the tile's first reshaped query row and the key tiles
-    the CTA walks for it (int32 scalars). Unpaired: the clusters run long row tiles
-    first, and the CTAs of a cluster walk the key tiles its last row tile sees."""
+    int32 with the paired ones): the tile's first reshaped query row in this kernel
+    call (the call's rows start at `first_row`) and the key tiles the CTA walks for it
+    (int32 scalars; `cols`: the key columns in use). Unpaired: the clusters run long row
+    tiles first, and the CTAs of a cluster walk the key tiles its last row tile sees."""
     group = lax.axis_index("row_groups")
-    if plan.paired(causal):
+    if plan.paired(causal):  # one kernel call: first_row = 0
         pair = paired_row_tiles(plan, group)
 
         def nth(j):
             row0 = jnp.where(j == 0, *pair) * plan.rows
-            return row0, visible_tiles(plan, causal, row0)
+            return row0, visible_tiles(plan, causal, row0, cols)
 
         return jnp.where(pair[0] == pair[1], 1, 2), nth
     first_tile = (plan.row_groups(causal) - 1 - group) * plan.cluster  # long first
     row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
-    num_tiles = visible_tiles(plan, causal, (first_tile + plan.cluster - 1) * plan.rows)
+    num_tiles = visible_tiles(plan, causal,
+                              first_row + (first_tile + plan.cluster - 1) * plan.rows, cols)
     return 1, lambda j: (row0, num_tiles)
 
 
-def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready,
-                 free, lead, *, plan: EstimatePlan, causal: bool, scale: float):
-    """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D], stats float32
-    [B, Hq, key_tiles, stat_planes, padded_rows]; scratch as `_scratch_types` makes it
-    (q_ready None with the streamed queries, lead None without stagger); scale:
-    A' = product x scale."""
+def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: float,
+                 keys_in_use: bool):
+    """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D] (or a paged
+    cache viewed as [num_pages, page_size / S, S, Hkv, D], then the block table int32
+    [B, pages_per_seq]), the scalars int32 [2] (the keys in use, whole stride groups;
+    the call's first reshaped query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles,
+    stat_planes, rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with
+    the streamed queries, lead None without stagger); scale: A' = product x scale. The
+    scalars are read only where they vary: the keys with `keys_in_use` (else all k_cols
+    columns), the first row in row steps (else 0), so that a whole call of all keys runs
+    with static bounds."""
+    table_ref = refs[0] if plan.page_size else None
+    (scalars_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready, free,
+     lead) = refs[bool(plan.page_size):]
     geom = plan.geom
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
@@ -123,7 +148,15 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index(WG_AXIS)
-    row_tiles, row_tile = _cta_row_tiles(plan, causal)
+    cols = geom.k_cols  # key columns in use
+    if keys_in_use:
+        cols = lax.div(scalars_ref[0], jnp.int32(geom.stride))
+    first_row = 0
+    if plan.call_rows:
+        # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
+        # queries' row index to be one (block_rows is: `unsupported_reason`)
+        first_row = scalars_ref[1] * COLUMN_TILE
+    row_tiles, row_tile = _cta_row_tiles(plan, causal, first_row, cols)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
 
@@ -166,10 +199,11 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
             return q_smem.at[(geom.stride - 1 - member) * parts + part]
 
         def consume(row0, num_tiles, walked):
-            """The consumer's key tiles of the row tile starting at row0."""
+            """The consumer's key tiles of the row tile starting at row0 of the call."""
             own_row0 = row0 + wg * WGMMA_ROWS if streamed else row0
+            query_row = first_row + own_row0  # of all the reshaped query rows
             own_tiles = lax.div(num_tiles - first + (turns - 1), jnp.int32(turns))
-            plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, own_row0) - first
+            plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, query_row, cols) - first
                                      + (turns - 1), jnp.int32(turns)), 0, own_tiles)
 
             def one_tile(n, carry, *, masked: bool):
@@ -208,12 +242,12 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                   layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                  layout=plgpu.Layout.WGMMA)
-                    cols = cols + tile * bk
-                    seen = cols < geom.k_cols
+                    cols_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                       layout=plgpu.Layout.WGMMA)
+                    columns = cols_iota + tile * bk
+                    seen = columns < cols
                     if causal:  # column j seen by row i iff j <= i + (Lk - Lq) / S
-                        seen = seen & (cols <= rows + (own_row0 + geom.row_offset))
+                        seen = seen & (columns <= rows + (query_row + geom.row_offset))
                     a = jnp.where(seen, a, -jnp.inf)
                 # scale > 0: the maximum of the products, scaled, is the maximum of A',
                 # and A' - m is one fused multiply-add per score (no pass scaling A)
@@ -245,7 +279,7 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         if not streamed:  # never paired: one row tile
-            row0 = row_tile(0)[0]
+            row0 = first_row + row_tile(0)[0]
             for member in range(geom.stride):
                 for part in range(parts):
                     plgpu.copy_gmem_to_smem(
@@ -254,8 +288,19 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                         q_smem.at[member * parts + part], q_ready)
         kv_head = lax.div(head, jnp.int32(geom.group))
 
+        def key_chunk(tile, member, columns):
+            """Stride member `member`'s `columns` of key tile `tile`: `[block_k, block_d]`
+            of k, or of the page holding the tile (a tile never crosses a page)."""
+            if table_ref is None:
+                return k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns]
+            tiles_per_page = jnp.int32(plan.page_size // geom.stride // bk)
+            page = table_ref[batch, lax.div(tile, tiles_per_page)]
+            return k_ref.at[page, pl.ds(lax.rem(tile, tiles_per_page) * bk, bk), member,
+                            kv_head, columns]
+
         def produce(row0, num_tiles, walked):
-            """The chunks of the row tile starting at row0, the CTA's steps `index`."""
+            """The chunks of the row tile starting at row0 of the call, the CTA's steps
+            `index`."""
             @pl.loop(walked * steps, (walked + num_tiles) * steps)
             def _(index):
                 tile = lax.div(index, jnp.int32(steps)) - walked
@@ -271,15 +316,14 @@ def _kernel_body(q_ref, k_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, r
                 if streamed:
                     slot_ready = ready.at[slot]
                     plgpu.copy_gmem_to_smem(
-                        q_ref.at[batch, head, pl.ds(row0, plan.rows),
+                        q_ref.at[batch, head, pl.ds(first_row + row0, plan.rows),
                                  geom.stride - 1 - member, columns],
                         q_smem.at[slot], slot_ready)
                 else:  # the ready barrier of the consumer owning the tile
                     slot_ready = ready.at[lax.rem(tile, jnp.int32(CONSUMERS)) * stages
                                           + slot]
-                plgpu.copy_gmem_to_smem(
-                    k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns],
-                    k_smem.at[slot], slot_ready, collective_axes=multicast)
+                plgpu.copy_gmem_to_smem(key_chunk(tile, member, columns), k_smem.at[slot],
+                                        slot_ready, collective_axes=multicast)
 
         total = each_row_tile(produce) * steps
 
@@ -322,17 +366,25 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
     )
 
 
-def tile_stats(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
-               scale: float) -> jax.Array:
+def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None, scalars: jax.Array, *,
+               plan: EstimatePlan, causal: bool, scale: float,
+               keys_in_use: bool = True) -> jax.Array:
     """Runs the kernel: q `[B, Hq, padded_rows, S, D]`, k `[B, Hkv, padded_cols, S, D]`
-    (bfloat16 or float16, zero-padded), scale = log2(e) / (sqrt(D) S norm). Returns float32
-    `[B, Hq, key_tiles, stat_planes, padded_rows]`; entries of tiles no row of a row tile
-    sees (`estimate_plan.visible_tiles`) are not written."""
+    (bfloat16 or float16, zero-padded) or, with `plan.page_size`, a paged cache viewed as
+    `[num_pages, page_size / S, S, Hkv, D]` read through `table` (int32 `[B,
+    pages_per_seq]`, ids in [0, num_pages)); scalars int32 `[2]`: the keys in use (whole
+    stride groups, at most k_cols x S) and the first reshaped query row of this call (a
+    row step; 0 for all rows) divided by COLUMN_TILE; scale = log2(e) / (sqrt(D) S
+    norm). keys_in_use False: scalars[0] is k_cols x S, and the kernel takes it as a
+    constant. Returns float32 `[B, Hq, key_tiles, stat_planes, rows_per_call]`; entries of
+    tiles no row of a row tile sees (`estimate_plan.visible_tiles`) are not written."""
     geom = plan.geom
     out_type = jax.ShapeDtypeStruct(
-        (geom.batch, geom.q_heads, plan.key_tiles, plan.stat_planes, plan.padded_rows),
+        (geom.batch, geom.q_heads, plan.key_tiles, plan.stat_planes, plan.rows_per_call),
         jnp.float32)
-    body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale)
+    body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
+                             keys_in_use=keys_in_use)
+    operands = (q, k) + ((table,) if plan.page_size else ()) + (scalars,)
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -344,4 +396,4 @@ def tile_stats(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         num_threads=CONSUMERS + 1,
         thread_name=WG_AXIS,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k)
+    )(*operands)

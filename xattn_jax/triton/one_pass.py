@@ -20,7 +20,7 @@ key tile; calls whose scratch would exceed a bound walk the heads, and if need b
 rows of each head, in steps (`Plan.call_heads`, `Plan.call_rows`: `plan.py` sizes them).
 Where keys are read unmasked and their count is data, the column of a partly filled last
 stride group is scored outside the kernel and merged into these statistics
-(`_split_last_group`).
+(`xattn_jax.last_group`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xattn_jax.geometry import Geometry
-from xattn_jax.row_statistics import LOG2_E, combine, fit
+from xattn_jax.last_group import merge_column, split_last_group
+from xattn_jax.row_statistics import combine, in_steps
 from xattn_jax.triton.common import COL_AXIS, ROW_AXIS, head_spec, kernel_grid
 from xattn_jax.partitioning import kernel_output
 from xattn_jax.triton.plan import Plan
@@ -102,69 +102,6 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: floa
     jax.lax.fori_loop(0, span - seen, unseen, None)
 
 
-def _column_scores(q, group, geom: Geometry, norm: float) -> jax.Array:
-    """A * log2(e) of one reshaped key column, whose S tokens are `group` `[B, Hkv, S,
-    D]`, for every reshaped query row: float32 `[B, Hq, q_rows]` (section 1 in plain JAX,
-    for the one column the kernel leaves out; a partly filled last query group reads
-    zeros)."""
-    s = geom.stride
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, geom.q_rows * s - geom.q_len), (0, 0)))
-    # member m pairs query token i*S + S-1-m with key token m of the group
-    rows = q.reshape(geom.batch, geom.kv_heads, geom.group, geom.q_rows, s,
-                     geom.head_dim)[:, :, :, :, ::-1]
-    precision = jax.lax.Precision.HIGHEST if q.dtype.itemsize >= 4 else None
-    a = jnp.einsum("bhgrsd,bhsd->bhgr", rows, group, preferred_element_type=jnp.float32,
-                   precision=precision)
-    return a.reshape(geom.batch, geom.q_heads, geom.q_rows) * jnp.float32(
-        geom.scale / norm * LOG2_E)
-
-
-def _split_last_group(q, k, key_len, block_table, geom: Geometry, norm: float):
-    """Splits a traced key count for a kernel that reads keys unmasked
-    (`Plan.keys_fit`): the kernel gets the count rounded down to whole stride groups, and
-    the column of the partly filled group after them (its tokens past the count read as
-    zeros) is scored here (`_column_scores`), for `_add_column` to merge into the
-    kernel's statistics. Keys past the count never enter a score.
-
-    Returns the whole groups' tokens (int32 `[1]`), the column's index, its scores
-    A * log2(e) (float32 `[B, Hq, q_rows]`) and whether there is such a column.
-    """
-    s = geom.stride
-    count = jnp.minimum(key_len[0], geom.k_len)
-    whole = count - count % s
-    # A count of whole groups may end at Lk: then no token of the group is real.
-    tokens = jnp.minimum(whole, geom.k_len - s) + jnp.arange(s)
-    if block_table is None:
-        group = jax.lax.dynamic_slice_in_dim(k, tokens[0], s, axis=2)
-    else:  # pages [num_pages, page_size, Hkv, D]; table entries past the keys: anything
-        pages = jnp.clip(block_table[:, tokens // k.shape[1]], 0, k.shape[0] - 1)
-        group = k[pages, tokens % k.shape[1]].transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
-    real = (tokens >= whole) & (tokens < count)
-    group = jnp.where(real[:, None], group, jnp.zeros((), group.dtype))
-    return whole.reshape(1), whole // s, _column_scores(q, group, geom, norm), count != whole
-
-
-def _add_column(maxes, sums, totals, scores, column, cols: int, unit: int, present):
-    """The kernel's statistics (maxes and totals `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]`)
-    with one more column of key tile column // cols, of scores `[B, Hq, R]`, where
-    `present`."""
-    tile = column // cols
-
-    def at_tile(a):
-        return jax.lax.dynamic_index_in_dim(a, tile, axis=2, keepdims=False)
-
-    def update(a, new, old):
-        return jax.lax.dynamic_update_index_in_dim(a, jnp.where(present, new, old), tile, 2)
-
-    m, x, t = at_tile(maxes), at_tile(sums), at_tile(totals)
-    m_new = jnp.maximum(m, scores)
-    rescale, added = jnp.exp2(m - m_new), jnp.exp2(scores - m_new)
-    own_unit = jnp.arange(sums.shape[-1]) == (column % cols) // unit
-    x_new = x * rescale[..., None] + jnp.where(own_unit, added[..., None], 0.0)
-    return (update(maxes, m_new, m), update(sums, x_new, x),
-            update(totals, t * rescale + added, t))
-
-
 def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
                         block_table) -> jax.Array:
     """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`),
@@ -184,7 +121,7 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
     sees_keys = True if key_len is None else key_len[0] > 0
     kernel_keys, last_group = key_len, None
     if key_len is not None and plan.keys_fit:
-        kernel_keys, *last_group = _split_last_group(q, k, key_len, block_table, geom, norm)
+        kernel_keys, *last_group = split_last_group(q, k, key_len, block_table, geom, norm)
 
     def block_sums_of(first_head, first_row, q_blocks):
         in_specs, operands = key_operands(q, k, kernel_keys, block_table, plan, first_row,
@@ -202,29 +139,12 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
         )(*operands)
         totals = totals[0] if totals else sums[..., 0]
         if last_group is not None:
-            column, scores, present = last_group
-            scores = jax.lax.dynamic_slice_in_dim(scores, first_head, heads, axis=1)
-            scores = jax.lax.dynamic_slice_in_dim(fit(scores, 2, row_extent), first_row,
-                                                  call_rows, axis=2)
-            maxes, sums, totals = _add_column(maxes, sums, totals, scores, column,
-                                              plan.block_k, unit, present)
+            maxes, sums, totals = merge_column(
+                maxes, sums, totals, last_group, first_head=first_head, first_row=first_row,
+                row_extent=row_extent, block_k=plan.block_k, unit=unit)
         return combine(maxes, sums, totals, geom, unit, first_row, q_blocks, sees_keys)
 
     if heads == geom.q_heads and all_rows:
         return block_sums_of(0, 0, geom.q_blocks)
-    # Several calls, each writing its heads' query blocks into the result in place; the
-    # last head group and the last row step of each start early enough to end at the
-    # last head and block (recomputing a few the one before wrote, identically), so
-    # nothing is padded or copied.
-    per_call = geom.q_blocks if all_rows else call_rows // geom.block_rows
-    row_steps = pl.cdiv(geom.q_blocks, per_call)
-
-    def one_call(i, out):
-        # lax.div/rem: i >= 0
-        head = jnp.minimum(jax.lax.div(i, row_steps) * heads, geom.q_heads - heads)
-        start = jnp.minimum(jax.lax.rem(i, row_steps) * per_call, geom.q_blocks - per_call)
-        part = block_sums_of(head, start * geom.block_rows, per_call)
-        return jax.lax.dynamic_update_slice(out, part, (0, head, start, 0))
-
-    out = jnp.zeros((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks), jnp.float32)
-    return jax.lax.fori_loop(0, pl.cdiv(geom.q_heads, heads) * row_steps, one_call, out)
+    return in_steps(geom, heads, geom.q_blocks if all_rows else call_rows // geom.block_rows,
+                    block_sums_of)
