@@ -128,3 +128,30 @@ def test_calls_the_mosaic_block_sums_do_not_take(fallback):
                                           key_len=key_len)
     np.testing.assert_allclose(np.asarray(block_sums()), np.asarray(want), rtol=2e-5,
                                atol=2e-5 * float(want.max()))
+
+
+def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
+    """A call the Mosaic block sums take, but in fewer CTAs than AUTO_MIN_CTAS (one row
+    tile of 128 reshaped rows x 2 heads here): "auto"'s Mosaic implementation runs the
+    Triton kernel (interpret mode off a GPU), which gives the reference's block sums. No
+    Mosaic GPU code runs."""
+    from xattn_jax.mosaic import estimate_plan
+
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 2, 256, 128)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 1, 256, 128)), jnp.bfloat16)
+    geom = xattn_jax.checks.check_qk(q, k, stride=8, block_size=64, causal=True)
+    assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True) is None
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    assert plan.ctas(True) == 2 < estimate_plan.AUTO_MIN_CTAS
+    impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=True)
+    got = impl.block_sums(q, k, geom=geom, causal=True, norm=1.0)
+    want = xattn_jax.reference.block_sums(q, k, geom, causal=True, norm=1.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-5,
+                               atol=5e-5 * float(want.max()))
+    # a chunk of 4096 queries on 32 heads fills a GPU's SMs; on 16 heads (two GPUs) not
+    chunk = xattn_jax.geometry.Geometry(1, 32, 8, 4096, 131072, 128, 8, 1024)
+    assert estimate_plan.estimate_plan(chunk, jnp.bfloat16).ctas(False) == 128
+    half = xattn_jax.geometry.Geometry(1, 16, 4, 4096, 131072, 128, 8, 1024)
+    assert estimate_plan.estimate_plan(half, jnp.bfloat16).ctas(False) == 64
+    assert 64 < estimate_plan.AUTO_MIN_CTAS <= 128

@@ -12,8 +12,11 @@ and nowhere else.
   call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
   "mosaic" on Hopper, its block sums running the Triton kernel for the calls they do not
-  take (the Mosaic block sums measured 1.05-1.19x faster than the Triton kernel on every
-  timed case on the H200, `bench/results/mosaic_estimate_h200.md`), "triton" on other
+  take and for calls of fewer CTAs than `mosaic.estimate_plan.AUTO_MIN_CTAS` (short
+  calls on few heads, as a chunk sharded over GPUs: the Triton kernel splits their keys
+  among more programs; otherwise the Mosaic block sums measured 1.05-1.19x faster than
+  the Triton kernel on every timed case on the H200,
+  `bench/results/mosaic_estimate_h200.md`), "triton" on other
   GPUs, "reference" elsewhere; for attention "mosaic" where it can run and takes the
   call's arguments (dtype, head dim, block size, page size), else "reference".
 
@@ -81,7 +84,7 @@ class Implementation:
         if self.name == "mosaic":
             page_size = None if block_table is None else k.shape[1]
             plan, reason = _mosaic_plan(geom, q.dtype, causal, key_len is not None,
-                                        page_size, max_scratch_bytes)
+                                        page_size, max_scratch_bytes, auto=self.fallback)
             if plan is not None:
                 from xattn_jax.mosaic import block_sums as mosaic_sums  # imports Mosaic GPU
                 return mosaic_sums.block_sums(
@@ -107,9 +110,10 @@ class Implementation:
 
 
 def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
-                 page_size: int | None, max_scratch_bytes: int | None):
+                 page_size: int | None, max_scratch_bytes: int | None, *, auto: bool):
     """`(plan, None)` of the Mosaic block sums for this call, or `(None, reason)` saying
-    why they cannot take it."""
+    why they cannot take it, or with `auto` (the choice "auto" makes) why the Triton
+    kernel runs it faster: fewer than `estimate_plan.AUTO_MIN_CTAS` CTAs."""
     from xattn_jax.mosaic import estimate_plan  # plain Python, no Mosaic GPU
 
     reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len, causal=causal,
@@ -117,8 +121,12 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
                                               max_scratch_bytes=max_scratch_bytes)
     if reason is not None:
         return None, f"{reason}; impl='triton' or 'auto' take this call"
-    return estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
-                                       max_scratch_bytes=max_scratch_bytes), None
+    plan = estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
+                                       max_scratch_bytes=max_scratch_bytes)
+    if auto and plan.ctas(causal) < estimate_plan.AUTO_MIN_CTAS:
+        return None, (f"{plan.ctas(causal)} CTAs, fewer than AUTO_MIN_CTAS = "
+                      f"{estimate_plan.AUTO_MIN_CTAS}")
+    return plan, None
 
 
 def device_of(*arrays) -> jax.Device | None:

@@ -92,6 +92,14 @@ STAT_BYTES = 4  # float32 statistics
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
 # SMs of an H100 SXM / H200: the waves of a row step's CTAs (`_call_rows`)
 HOPPER_SMS = 132
+# "auto" runs the Mosaic block sums on calls of at least this many CTAs per kernel call
+# (`EstimatePlan.ctas`). A CTA walks all the keys of its row tile, so a short call on
+# few heads leaves SMs idle, where the Triton kernel splits the keys among more
+# programs. H200, 4096-query chunk over 128K: 128 CTAs, Mosaic 0.86-0.93 ms against
+# Triton's 1.08 (mosaic_estimate_h200.md, session 12); sharded over 2 GPUs, 64 CTAs each,
+# Mosaic 0.90 ms (session 12) against Triton's 0.56 (multi_gpu_h200x2.md): the break-even
+# lies near 3/4 of the SMs.
+AUTO_MIN_CTAS = HOPPER_SMS * 3 // 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +157,10 @@ class EstimatePlan(UnitSums):
         if self.paired(causal):
             return cdiv(self.row_tiles, 2)
         return self.rows_per_call // (self.rows * self.cluster)
+
+    def ctas(self, causal: bool) -> int:
+        """The CTAs of one kernel call (of a row step with `call_rows`)."""
+        return self.geom.batch * self.geom.q_heads * self.row_groups(causal) * self.cluster
 
     @property
     def padded_rows(self) -> int:
