@@ -205,6 +205,26 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
     assert not paired.paired(True)  # row steps walk one row tile per CTA
 
 
+def test_key_groups_plan_and_refusals():
+    """key_groups G: G CTAs per row tile on the grid's row axis, spans of ceil(T / G)
+    key tiles; refused with a cluster, with pair_rows, beyond the key tiles."""
+    half = Geometry(1, 16, 4, 4096, 131072, 128, 8, 1024)  # a chunk on one of two GPUs
+    plan = estimate_plan.estimate_plan(half, jnp.bfloat16)
+    assert (plan.key_groups, plan.ctas(False)) == (estimate_plan.KEY_GROUPS, 64)
+    split = estimate_plan.estimate_plan(half, jnp.bfloat16, key_groups=2)
+    assert (split.grid_rows(False), split.ctas(False), split.key_span) == (8, 128, 32)
+    three = estimate_plan.estimate_plan(half, jnp.bfloat16, key_groups=3)
+    assert three.key_span == 22 and 3 * three.key_span >= three.key_tiles == 64
+    geom = Geometry(1, 4, 2, 1024, 8192, 128, 8, 128)  # 4 key tiles
+    for options, rule in (({"key_groups": 0}, "at least 1"),
+                          ({"key_groups": 2, "pair_rows": True}, "1 with a cluster or pair"),
+                          ({"key_groups": 2, "queries": "resident", "cluster": 2},
+                           "1 with a cluster or pair"),
+                          ({"key_groups": 5}, "at most the 4 key tiles")):
+        with pytest.raises(ValueError, match=rule):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+
+
 @pytest.mark.parametrize("page_size, queries, block_k", [
     (4096, "streamed", 256), (2048, "streamed", 256), (1024, "streamed", 128),
     (512, "streamed", 64), (1536, "streamed", 192), (1536, "resident", 64),
@@ -343,6 +363,7 @@ LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
     ((1, 8, 2, 6144, 6144, 128, 16, 256), True, {"pair_rows": True}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"pair_rows": True, "stagger": False}),
     ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {"pair_rows": True}),
+    ((1, 16, 4, 4096, 131072, 128, 8, 1024), False, {"key_groups": 2}),  # a chunk's half
 ]
 
 
@@ -427,6 +448,9 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # sees in both of its row tiles; R = 4 with Lq < Lk, unstaggered, the second row tile
 # starting mid-ring (step 4 of a ring of 3); an odd R with Lq < Lk, D 128 and a ring of
 # 2 slots; a non-causal call, which ignores the flag (R = 3, one row tile per CTA).
+# Key groups (CTAs per row tile, each a span of its key tiles): 2 spans of one tile;
+# 3 spans of 2 of 5 tiles, causal and staggered, the first row tile's third CTA walking
+# none; the resident queries, their consumers taking turns from the span's first tile.
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "resident"}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "resident"}),
@@ -462,6 +486,12 @@ INTERPRET_CASES = [
      {"block_k": 128, "stages": 2, "queries": "streamed", "pair_rows": True}),
     (1, 2, 1, 600, 700, 64, 2, 32, False, 1.0,
      {"block_k": 64, "queries": "streamed", "pair_rows": True}),
+    (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0,
+     {"block_k": 64, "queries": "streamed", "key_groups": 2}),
+    (1, 2, 1, 300, 556, 64, 2, 64, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "key_groups": 3}),
+    (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0,
+     {"block_k": 128, "queries": "resident", "key_groups": 2}),
 ]
 
 
@@ -516,7 +546,8 @@ def _block_sums_with(q, k, geom, plan, *, causal, key_len, page_size, rand):
 # one key (no whole group: the kernel walks no tile); a paged cache of pages of 64 x S
 # tokens (a key tile each) with the keys ending in a page; row steps of 128 rows (3
 # steps over 19 query blocks, the last overlapping the one before) causal and
-# non-causal, and of a cluster of 2 resident row tiles.
+# non-causal, and of a cluster of 2 resident row tiles; key groups (3 spans of 2 of 5
+# tiles) over the paged cache, and in row steps.
 INTERPRET_KEY_CASES = [
     (2, 2, 1, 190, 512, 64, 2, 32, False, 301, None, {"block_k": 64}),
     (1, 2, 1, 128, 512, 64, 2, 32, False, 256, None, {"block_k": 64}),
@@ -526,6 +557,9 @@ INTERPRET_KEY_CASES = [
     (1, 2, 1, 600, 700, 64, 2, 32, False, None, None, {"block_k": 64, "call_rows": 128}),
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None,
      {"block_k": 64, "call_rows": 128, "queries": "resident", "cluster": 2}),
+    (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {"key_groups": 3}),
+    (1, 2, 1, 600, 700, 64, 2, 32, False, None, None,
+     {"block_k": 64, "call_rows": 128, "key_groups": 2}),
 ]
 
 

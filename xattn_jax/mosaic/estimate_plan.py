@@ -34,9 +34,10 @@ per key tile):
   tile per CTA).
 
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
-pages hold whole key tiles: `page_size`) and in how many kernel calls it runs: one,
-or row steps of every head (`call_rows`) where its statistics would exceed
-MAX_SCRATCH_BYTES or the caller's bound.
+pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
+steps of every head, `call_rows`, where its statistics would exceed MAX_SCRATCH_BYTES
+or the caller's bound) and in how many CTAs per row tile (`key_groups`, each a span of
+the key tiles).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -78,6 +79,9 @@ MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
 CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 and 4 to be measured
 CLUSTERS = (1, 2, 4)  # with the resident queries; the streamed ones take 1 only
+# CTAs sharing a row tile's key tiles, each a span of them (`EstimatePlan.key_groups`):
+# more CTAs for a short call on few heads; 1 (no split) until measured
+KEY_GROUPS = 1
 # Timing variants that leave one stage of the kernel out (`bench.mosaic_estimate_check`;
 # their results are not block sums): the consumers' matrix products (scores read as 0),
 # or the statistics past the row maxima.
@@ -118,7 +122,8 @@ class EstimatePlan(UnitSums):
     call covers, 0 for all (one call), else a multiple of `row_quantum`: the call runs in
     row steps (`_call_rows` sizes them); page_size: the tokens per page of a paged k
     (None: a contiguous k), a multiple of block_k x S, so that a key tile lies in one
-    page.
+    page; key_groups: the CTAs of each row tile (cluster 1, no pair_rows), each walking a
+    span of `key_span` of its key tiles (more CTAs for a short call on few heads).
     """
 
     geom: Geometry
@@ -132,6 +137,7 @@ class EstimatePlan(UnitSums):
     pair_rows: bool = PAIR_ROWS
     call_rows: int = 0
     page_size: int | None = None
+    key_groups: int = KEY_GROUPS
 
     @property
     def rows(self) -> int:
@@ -147,8 +153,8 @@ class EstimatePlan(UnitSums):
 
     def paired(self, causal: bool) -> bool:
         """Whether each CTA walks two row tiles: `pair_rows` in a causal call of one
-        kernel call."""
-        return self.pair_rows and causal and not self.call_rows
+        kernel call and one key group."""
+        return self.pair_rows and causal and not self.call_rows and self.key_groups == 1
 
     def row_groups(self, causal: bool) -> int:
         """The kernel grid's row axis, per (batch, query head): ceil(R / 2) CTAs with
@@ -158,9 +164,19 @@ class EstimatePlan(UnitSums):
             return cdiv(self.row_tiles, 2)
         return self.rows_per_call // (self.rows * self.cluster)
 
+    def grid_rows(self, causal: bool) -> int:
+        """The kernel grid's row axis: `row_groups`, each in `key_groups` CTAs."""
+        return self.row_groups(causal) * self.key_groups
+
     def ctas(self, causal: bool) -> int:
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
-        return self.geom.batch * self.geom.q_heads * self.row_groups(causal) * self.cluster
+        return self.geom.batch * self.geom.q_heads * self.grid_rows(causal) * self.cluster
+
+    @property
+    def key_span(self) -> int:
+        """Key tiles per key group: a row tile's CTA g walks tiles g x span .. (g + 1) x
+        span - 1 of those it sees."""
+        return cdiv(self.key_tiles, self.key_groups)
 
     @property
     def padded_rows(self) -> int:
@@ -293,7 +309,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   leave_out: str | None = None, queries: str | None = None,
                   stagger: bool | None = None, pair_rows: bool | None = None,
                   page_size: int | None = None, max_scratch_bytes: int | None = None,
-                  call_rows: int | None = None) -> EstimatePlan:
+                  call_rows: int | None = None,
+                  key_groups: int | None = None) -> EstimatePlan:
     """The plan of one call. page_size: the tokens per page of a paged k (None:
     contiguous); max_scratch_bytes: the statistics one kernel call may hold (default
     MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
@@ -301,12 +318,13 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
     stages, cluster (in CLUSTERS; the streamed queries take 1 only), queries (in
     QUERY_LAYOUTS), stagger (the staggered consumers, streamed queries only), pair_rows
-    (two row tiles per CTA in causal calls, streamed queries only) and call_rows (the
-    rows of a row step, a multiple of `EstimatePlan.row_quantum`, or 0 for one call)
+    (two row tiles per CTA in causal calls, streamed queries only), call_rows (the
+    rows of a row step, a multiple of `EstimatePlan.row_quantum`, or 0 for one call) and
+    key_groups (CTAs per row tile, at most the key tiles; cluster 1, no pair_rows)
     override the defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a
     paged k, the largest multiple of 64 up to it that divides a page's columns), STAGGER
     with the streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at
-    most MAX_STAGES, and `_call_rows`. leave_out: a timing variant (LEAVE_OUT). Raises
+    most MAX_STAGES, `_call_rows` and KEY_GROUPS. leave_out: a timing variant (LEAVE_OUT). Raises
     ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
     queries = QUERIES if queries is None else queries
@@ -332,6 +350,11 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stagger and queries != "streamed":
         raise ValueError("stagger needs queries='streamed' (the resident queries' "
                          f"consumers take the key tiles in turns); got {queries!r}")
+    key_groups = KEY_GROUPS if key_groups is None else key_groups
+    if key_groups < 1 or (key_groups > 1 and (cluster > 1 or pair_rows)):
+        raise ValueError(f"key_groups must be at least 1, and 1 with a cluster or pair_rows "
+                         f"(a CTA walks its own span of keys); got {key_groups} with cluster "
+                         f"{cluster}, pair_rows {pair_rows}")
     block_k = _default_block_k(queries, page_size, geom.stride) if block_k is None else block_k
     if block_k % 64 or not 64 <= block_k <= MAX_BLOCK_K:
         raise ValueError(f"block_k must be a multiple of 64 in [64, {MAX_BLOCK_K}]; got "
@@ -348,7 +371,11 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
-                        bool(stagger), bool(pair_rows), page_size=page_size)
+                        bool(stagger), bool(pair_rows), page_size=page_size,
+                        key_groups=key_groups)
+    if key_groups > plan.key_tiles:
+        raise ValueError(f"key_groups must be at most the {plan.key_tiles} key tiles; got "
+                         f"{key_groups}")
     smem = plan.smem_bytes(itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
@@ -370,7 +397,7 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
 def _wave_rows(plan: EstimatePlan) -> int:
     """The rows of the smallest row step holding a CTA per SM (HOPPER_SMS)."""
     geom = plan.geom
-    rows = cdiv(HOPPER_SMS * plan.rows, geom.batch * geom.q_heads)
+    rows = cdiv(HOPPER_SMS * plan.rows, geom.batch * geom.q_heads * plan.key_groups)
     return cdiv(rows, plan.row_quantum) * plan.row_quantum
 
 
@@ -400,7 +427,7 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     extent = geom.q_blocks * geom.block_rows  # the rows the steps cover
 
     def ctas(rows: int) -> int:
-        return geom.batch * geom.q_heads * rows // plan.rows
+        return geom.batch * geom.q_heads * rows // plan.rows * plan.key_groups
 
     def waves(rows: int) -> int:
         return cdiv(extent, rows) * cdiv(ctas(rows), HOPPER_SMS)

@@ -82,6 +82,12 @@ tiles whole) and each key chunk is multicast to all, each CTA's producer loading
 it; the ring's release barrier then counts the owning consumer of every CTA in the
 cluster. A CTA's producer waits for the last releases of all, so no CTA exits while
 another may still write to its shared memory or arrive on its barriers.
+
+Key groups (`plan.key_groups` = G > 1, cluster 1, unpaired): G consecutive CTAs on the
+grid's row axis share a row tile, CTA g walking its visible key tiles g x span .. (g +
+1) x span - 1 (`plan.key_span`; possibly none). Each tile's statistics have their own
+place, so nothing is combined across CTAs; the ring and barriers count the CTA's own
+tiles from its span's first.
 """
 
 from __future__ import annotations
@@ -106,25 +112,39 @@ CLUSTER_AXIS = "cluster"
 def _cta_row_tiles(plan: EstimatePlan, causal: bool, first_row, cols):
     """The row tiles this CTA walks, in order: (count, row_tile) with count the Python
     int 1, or with paired row tiles (`estimate_plan.paired_row_tiles`) a traced int32 1
-    or 2, and row_tile(j) -> (row0, num_tiles) for its j-th row tile (j: 0, or a traced
+    or 2, and row_tile(j) -> (row0, lo, n) for its j-th row tile (j: 0, or a traced
     int32 with the paired ones): the tile's first reshaped query row in this kernel
-    call (the call's rows start at `first_row`) and the key tiles the CTA walks for it
-    (int32 scalars; `cols`: the key columns in use). Unpaired: the clusters run long row
-    tiles first, and the CTAs of a cluster walk the key tiles its last row tile sees."""
-    group = lax.axis_index("row_groups")
-    if plan.paired(causal):  # one kernel call: first_row = 0
-        pair = paired_row_tiles(plan, group)
+    call (the call's rows start at `first_row`), and the key tiles lo .. lo + n - 1 the
+    CTA walks for it (int32 scalars, lo the Python int 0 without key groups; `cols`: the
+    key columns in use). Unpaired: the clusters run long row tiles first, and the CTAs
+    of a cluster walk the key tiles its last row tile sees; with `plan.key_groups` = G,
+    the G CTAs of a row tile walk consecutive spans of `plan.key_span` of them."""
+    index = lax.axis_index("row_groups")
+    if plan.paired(causal):  # one kernel call, one key group: first_row = 0
+        pair = paired_row_tiles(plan, index)
 
         def nth(j):
             row0 = jnp.where(j == 0, *pair) * plan.rows
-            return row0, visible_tiles(plan, causal, row0, cols)
+            return row0, 0, visible_tiles(plan, causal, row0, cols)
 
         return jnp.where(pair[0] == pair[1], 1, 2), nth
+    group, lo = index, 0
+    if plan.key_groups > 1:
+        group = lax.div(index, jnp.int32(plan.key_groups))
+        lo = lax.rem(index, jnp.int32(plan.key_groups)) * plan.key_span
     first_tile = (plan.row_groups(causal) - 1 - group) * plan.cluster  # long first
     row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
     num_tiles = visible_tiles(plan, causal,
                               first_row + (first_tile + plan.cluster - 1) * plan.rows, cols)
-    return 1, lambda j: (row0, num_tiles)
+    if plan.key_groups > 1:
+        num_tiles = jnp.clip(num_tiles - lo, 0, plan.key_span)
+    return 1, lambda j: (row0, lo, num_tiles)
+
+
+def _shift(x, offset):
+    """x + offset, x itself where offset is the Python int 0 (no key groups: the kernel
+    stays the one measured without them)."""
+    return x if isinstance(offset, int) and offset == 0 else x + offset
 
 
 def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: float,
@@ -161,18 +181,18 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     multiply = plan.leave_out != "product"
 
     def each_row_tile(walk):
-        """Runs walk(row0, num_tiles, walked) for each row tile of the CTA in order,
-        walked = the key tiles walked for the ones before (the ring's steps count on
-        across row tiles: slots and barrier phases continue). Returns the key tiles the
-        CTA walks."""
+        """Runs walk(row0, lo, n, walked) for each row tile of the CTA in order (its key
+        tiles lo .. lo + n - 1), walked = the key tiles walked for the ones before (the
+        ring's steps count on across row tiles: slots and barrier phases continue).
+        Returns the key tiles the CTA walks."""
         if not plan.paired(causal):
-            row0, num_tiles = row_tile(0)
-            walk(row0, num_tiles, 0)
+            row0, lo, num_tiles = row_tile(0)
+            walk(row0, lo, num_tiles, 0)
             return num_tiles
 
         def one(j, walked):
-            row0, num_tiles = row_tile(j)
-            walk(row0, num_tiles, walked)
+            row0, lo, num_tiles = row_tile(j)
+            walk(row0, lo, num_tiles, walked)
             return walked + num_tiles
 
         return lax.fori_loop(0, row_tiles, one, jnp.int32(0))
@@ -180,14 +200,15 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        # Resident: consumer w takes tiles w, w + 2, ...; streamed: every tile, rows 64w..
+        # Resident: consumer w takes tiles lo + w, lo + w + 2, ...; streamed: every tile,
+        # rows 64w ..
         first, turns = (0, 1) if streamed else (wg, CONSUMERS)
         own_ready = 0 if streamed else wg * stages  # the consumer's ready barriers
         out = stats_smem.at[wg]
         if not streamed:
             plgpu.barrier_wait(q_ready)
         if plan.stagger:
-            @pl.when((wg == 1) & (row_tile(0)[1] > 0))
+            @pl.when((wg == 1) & (row_tile(0)[2] > 0))
             def _():
                 plgpu.barrier_wait(lead)
 
@@ -198,17 +219,20 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             member, part = divmod(step, parts)
             return q_smem.at[(geom.stride - 1 - member) * parts + part]
 
-        def consume(row0, num_tiles, walked):
-            """The consumer's key tiles of the row tile starting at row0 of the call."""
+        def consume(row0, lo, num_tiles, walked):
+            """The consumer's key tiles (of lo .. lo + num_tiles - 1) of the row tile
+            starting at row0 of the call."""
             own_row0 = row0 + wg * WGMMA_ROWS if streamed else row0
             query_row = first_row + own_row0  # of all the reshaped query rows
             own_tiles = lax.div(num_tiles - first + (turns - 1), jnp.int32(turns))
-            plain = jnp.clip(lax.div(unmasked_tiles(plan, causal, query_row, cols) - first
-                                     + (turns - 1), jnp.int32(turns)), 0, own_tiles)
+            unmasked = _shift(unmasked_tiles(plan, causal, query_row, cols), -lo)  # may be < 0
+            plain = jnp.clip(lax.div(unmasked - first + (turns - 1), jnp.int32(turns)), 0,
+                             own_tiles)
 
             def one_tile(n, carry, *, masked: bool):
-                tile = first + n * turns
-                first_step = (walked + tile) * steps  # the CTA's step count
+                walked_here = first + n * turns  # tiles of this row tile before it
+                tile = _shift(walked_here, lo)
+                first_step = (walked + walked_here) * steps  # the CTA's step count
 
                 def product(acc_ref):
                     for step in range(steps):  # static: the resident queries' chunk index
@@ -218,7 +242,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                             plgpu.wgmma(acc_ref, queries(step, slot),
                                         k_smem.at[slot].transpose((1, 0)))
                         if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
-                            @pl.when((wg == 0) & (walked + tile == 0))
+                            @pl.when((wg == 0) & (walked + walked_here == 0))
                             def _():
                                 plgpu.barrier_arrive(lead)
                         if step:  # the step before has finished reading its slot
@@ -298,12 +322,13 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             return k_ref.at[page, pl.ds(lax.rem(tile, tiles_per_page) * bk, bk), member,
                             kv_head, columns]
 
-        def produce(row0, num_tiles, walked):
-            """The chunks of the row tile starting at row0 of the call, the CTA's steps
-            `index`."""
+        def produce(row0, lo, num_tiles, walked):
+            """The chunks of key tiles lo .. lo + num_tiles - 1 of the row tile starting
+            at row0 of the call, the CTA's steps `index`."""
             @pl.loop(walked * steps, (walked + num_tiles) * steps)
             def _(index):
-                tile = lax.div(index, jnp.int32(steps)) - walked
+                walked_here = lax.div(index, jnp.int32(steps)) - walked
+                tile = _shift(walked_here, lo)
                 step = lax.rem(index, jnp.int32(steps))
                 member = lax.div(step, jnp.int32(parts))
                 columns = pl.ds(lax.rem(step, jnp.int32(parts)) * bd, bd)
@@ -320,7 +345,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                                  geom.stride - 1 - member, columns],
                         q_smem.at[slot], slot_ready)
                 else:  # the ready barrier of the consumer owning the tile
-                    slot_ready = ready.at[lax.rem(tile, jnp.int32(CONSUMERS)) * stages
+                    slot_ready = ready.at[lax.rem(walked_here, jnp.int32(CONSUMERS)) * stages
                                           + slot]
                 plgpu.copy_gmem_to_smem(key_chunk(tile, member, columns), k_smem.at[slot],
                                         slot_ready, collective_axes=multicast)
@@ -389,7 +414,7 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None, scalars: jax
         body,
         out_type=out_type,
         scratch_types=_scratch_types(plan, q.dtype),
-        grid=(geom.q_heads, geom.batch, plan.row_groups(causal)),
+        grid=(geom.q_heads, geom.batch, plan.grid_rows(causal)),
         grid_names=("heads", "batch", "row_groups"),
         cluster=(plan.cluster,),  # the last grid axis: consecutive row tiles
         cluster_names=(CLUSTER_AXIS,),
