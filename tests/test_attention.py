@@ -242,9 +242,9 @@ def test_paged_cache_equals_contiguous(page_size, rand):
                       return_lse=True)
         got = attend(q, k_pages, v_pages, mask, block_size=case.block_size,
                      causal=causal, return_lse=True, block_table=table)
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
-                                       err_msg=str(rand))
+        for g, w in zip(got, want):  # the gathered keys may sum in another order
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=str(rand),
+                                       **F32_TOL)
 
 
 def test_k_len_hides_later_keys_without_recompiling(rand):
