@@ -123,9 +123,9 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
         return None, f"{reason}; impl='triton' or 'auto' take this call"
     plan = estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
                                        max_scratch_bytes=max_scratch_bytes)
-    if auto and plan.ctas(causal) < estimate_plan.AUTO_MIN_CTAS:
-        return None, (f"{plan.ctas(causal)} CTAs, fewer than AUTO_MIN_CTAS = "
-                      f"{estimate_plan.AUTO_MIN_CTAS}")
+    ctas = plan.ctas(causal)
+    if auto and ctas < estimate_plan.AUTO_MIN_CTAS:
+        return None, f"{ctas} CTAs, fewer than AUTO_MIN_CTAS = {estimate_plan.AUTO_MIN_CTAS}"
     return plan, None
 
 

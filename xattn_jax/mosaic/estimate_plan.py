@@ -172,6 +172,11 @@ class EstimatePlan(UnitSums):
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
         return self.geom.batch * self.geom.q_heads * self.grid_rows(causal) * self.cluster
 
+    def step_ctas(self, rows: int) -> int:
+        """The CTAs of an unpaired kernel call covering `rows` reshaped query rows of every
+        head (a multiple of `row_quantum`): `ctas` of a row step of that many rows."""
+        return self.geom.batch * self.geom.q_heads * rows // self.rows * self.key_groups
+
     @property
     def key_span(self) -> int:
         """Key tiles per key group: a row tile's CTA g walks tiles g x span .. (g + 1) x
@@ -270,8 +275,8 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     memory with a ring of MIN_STAGES slots (resident queries: 64 rows x S x D of them
     besides, which S 16 at D 128 exceeds), and the statistics of one row step of every
     head holding a wave of CTAs within `max_scratch_bytes` (default MAX_SCRATCH_BYTES;
-    `_call_rows`). Any Lq and Lk otherwise
-    (padded to whole tiles by the caller). The Triton backend takes everything else.
+    `_call_rows`). Any Lq and Lk otherwise (padded to whole tiles by the caller). The
+    Triton backend takes everything else.
     """
     _check_queries(queries)
     dtype = jnp.dtype(dtype)
@@ -324,9 +329,9 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     override the defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a
     paged k, the largest multiple of 64 up to it that divides a page's columns), STAGGER
     with the streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at
-    most MAX_STAGES, `_call_rows` and KEY_GROUPS. leave_out: a timing variant (LEAVE_OUT). Raises
-    ValueError for arguments the kernel does not take (`unsupported_reason`) and
-    overrides that do not fit."""
+    most MAX_STAGES, `_call_rows` and KEY_GROUPS. leave_out: a timing variant
+    (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
+    (`unsupported_reason`) and overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
         stagger = default_stagger(queries)
@@ -396,9 +401,10 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
 
 def _wave_rows(plan: EstimatePlan) -> int:
     """The rows of the smallest row step holding a CTA per SM (HOPPER_SMS)."""
-    geom = plan.geom
-    rows = cdiv(HOPPER_SMS * plan.rows, geom.batch * geom.q_heads * plan.key_groups)
-    return cdiv(rows, plan.row_quantum) * plan.row_quantum
+    rows = plan.row_quantum
+    while plan.step_ctas(rows) < HOPPER_SMS:
+        rows += plan.row_quantum
+    return rows
 
 
 def _default_block_k(queries: str, page_size: int | None, stride: int) -> int:
@@ -426,15 +432,12 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     quantum = plan.row_quantum
     extent = geom.q_blocks * geom.block_rows  # the rows the steps cover
 
-    def ctas(rows: int) -> int:
-        return geom.batch * geom.q_heads * rows // plan.rows * plan.key_groups
-
     def waves(rows: int) -> int:
-        return cdiv(extent, rows) * cdiv(ctas(rows), HOPPER_SMS)
+        return cdiv(extent, rows) * cdiv(plan.step_ctas(rows), HOPPER_SMS)
 
     fit = min(bound // plan.row_scratch_bytes, cdiv(extent, quantum) * quantum)
     steps = [rows for rows in range(quantum, fit // quantum * quantum + 1, quantum)
-             if ctas(rows) >= HOPPER_SMS]
+             if plan.step_ctas(rows) >= HOPPER_SMS]
     if not steps:
         return None
     return min(steps, key=lambda rows: (waves(rows), cdiv(extent, rows) * rows, -rows))
