@@ -205,12 +205,52 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
     assert not paired.paired(True)  # row steps walk one row tile per CTA
 
 
+@pytest.mark.parametrize("q_heads, q_len, k_len, groups", [
+    (32, 4096, 131072, 1),  # a chunk on 32 heads: 128 CTAs, a wave already
+    (16, 4096, 131072, 2),  # its half (two GPUs): 64 CTAs, 2 x 64 fill the wave best
+    (8, 4096, 65536, 4),  # a quarter: 32 CTAs, 4 x 32
+    (10, 4096, 65536, 3),  # 40 CTAs: 3 x 40 = 120 of a wave of 132; 2 or 4 x 40 fill less
+    (2, 1024, 2048, 1),  # one key tile: nothing to split
+])
+def test_default_key_groups_fill_the_waves(q_heads, q_len, k_len, groups):
+    """A whole call of fewer CTAs than SMs (one per row tile) takes the key groups whose
+    CTAs fill their waves best; a row-stepped call takes none (each step holds a wave)."""
+    geom = Geometry(1, q_heads, max(q_heads // 4, 1), q_len, k_len, 128, 8, 1024)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    assert plan.key_groups == groups
+    assert plan.ctas(False) == q_heads * q_len // 8 // plan.rows * groups
+    long = Geometry(1, 32, 32, 131072, 131072, 128, 8, 128)
+    assert estimate_plan.estimate_plan(long, jnp.bfloat16).key_groups == 1
+
+
+def test_persistent_plan_and_refusals():
+    """persistent: one CTA per SM (`device_sms`: HOPPER_SMS off a GPU), at most one per
+    work item, the items of a key tile in blocks of ROW_BLOCK_TILES row tiles; refused
+    with the resident queries, a cluster, key groups or pair_rows."""
+    geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, persistent=True)
+    assert (plan.persistent_ctas, plan.ctas(True), plan.key_groups) == (132, 132, 1)
+    assert (plan.row_block_tiles, plan.row_blocks) == (32, 1)
+    items, tiles = estimate_plan.work_items(plan)
+    assert (int(items), int(tiles)) == (32 * 32 * 16, 16)
+    assert int(estimate_plan.work_items(plan, 1000)[0]) == 32 * 32 * 4
+    long = Geometry(1, 32, 32, 131072, 131072, 128, 8, 128)
+    stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, persistent=True)
+    assert (stepped.row_block_tiles, stepped.row_blocks) == (64, stepped.call_rows // 128 // 64)
+    tiny = Geometry(1, 2, 1, 256, 4096, 128, 8, 64)  # 2 heads x 1 row tile x 2 key tiles
+    assert estimate_plan.estimate_plan(tiny, jnp.bfloat16, persistent=True).ctas(False) == 4
+    assert not estimate_plan.estimate_plan(geom, jnp.bfloat16).persistent_ctas
+    for options in ({"queries": "resident"}, {"key_groups": 2}, {"pair_rows": True}):
+        with pytest.raises(ValueError, match="persistent needs queries='streamed'"):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, persistent=True, **options)
+
+
 def test_key_groups_plan_and_refusals():
     """key_groups G: G CTAs per row tile on the grid's row axis, spans of ceil(T / G)
     key tiles; refused with a cluster, with pair_rows, beyond the key tiles."""
     half = Geometry(1, 16, 4, 4096, 131072, 128, 8, 1024)  # a chunk on one of two GPUs
-    plan = estimate_plan.estimate_plan(half, jnp.bfloat16)
-    assert (plan.key_groups, plan.ctas(False)) == (estimate_plan.KEY_GROUPS, 64)
+    plan = estimate_plan.estimate_plan(half, jnp.bfloat16, key_groups=1)
+    assert (plan.key_groups, plan.ctas(False)) == (1, 64)
     split = estimate_plan.estimate_plan(half, jnp.bfloat16, key_groups=2)
     assert (split.grid_rows(False), split.ctas(False), split.key_span) == (8, 128, 32)
     three = estimate_plan.estimate_plan(half, jnp.bfloat16, key_groups=3)
@@ -364,6 +404,8 @@ LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"pair_rows": True, "stagger": False}),
     ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {"pair_rows": True}),
     ((1, 16, 4, 4096, 131072, 128, 8, 1024), False, {"key_groups": 2}),  # a chunk's half
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"persistent": True}),
+    ((1, 32, 8, 4096, 65536, 128, 8, 1024), False, {"persistent": True}),
 ]
 
 
@@ -540,6 +582,19 @@ def _block_sums_with(q, k, geom, plan, *, causal, key_len, page_size, rand):
     return np.asarray(got), want
 
 
+def _interpreted_equals_reference(q, k, geom, plan, *, causal, key_len, page_size, rand,
+                                  case):
+    """`_block_sums_with` in GPU interpret mode: no race, no NaN (keys past the count
+    are NaN), the reference's block sums within float32 rounding."""
+    with mosaic_interpret.interpret_kernel() as races_found:
+        got, want = _block_sums_with(q, k, geom, plan, causal=causal, key_len=key_len,
+                                     page_size=page_size, rand=rand)
+        assert not races_found(), str(rand)
+    assert not np.isnan(got).any(), f"{case} {rand}"
+    err = npr.rel_err(got, want)
+    assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
+
+
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
 # plan options): keys in use of a contiguous buffer, ending inside a stride group
 # (its column scored outside the kernel) and inside a key tile, then at a tile's end, and
@@ -575,13 +630,43 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
     q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size, **options)
     assert plan.call_rows == options.get("call_rows", 0)
-    with mosaic_interpret.interpret_kernel() as races_found:
-        got, want = _block_sums_with(q, k, geom, plan, causal=causal, key_len=key_len,
-                                     page_size=page_size, rand=rand)
-        assert not races_found(), str(rand)
-    assert not np.isnan(got).any(), f"{case} {rand}"
-    err = npr.rel_err(got, want)
-    assert err <= F32_RTOL, f"{case} {rand}: relative error {err:.3g}"
+    _interpreted_equals_reference(q, k, geom, plan, causal=causal, key_len=key_len,
+                                  page_size=page_size, rand=rand, case=case)
+
+
+# (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
+# plan options, CTAs, ROW_BLOCK_TILES): the persistent grid with fewer CTAs than work
+# items (each CTA takes several, in turns); causal in blocks of 2 row tiles (3 row tiles:
+# the last block has an empty item per key tile); batch 2; keys in use of a paged cache;
+# row steps, one row tile per block.
+PERSISTENT_CASES = [
+    (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64}, 3, 2),
+    (2, 2, 1, 190, 251, 64, 2, 16, False, None, None, {"block_k": 64}, 5, 64),
+    (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {}, 4, 64),
+    (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_rows": 128}, 2, 1),
+]
+
+
+@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+def test_persistent_grid_in_gpu_interpret_mode(rand, monkeypatch, case):
+    """The persistent grid on CPU: every work item walked once by one CTA (equal to the
+    reference within float32 rounding, no NaN from keys past the count), no race."""
+    *shape, causal, key_len, page_size, options, ctas, block_tiles = case
+    monkeypatch.setattr(estimate_plan, "ROW_BLOCK_TILES", block_tiles)
+    geom = _geom(*shape, causal)
+    q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size,
+                                       persistent=True, **options)
+    items = int(estimate_plan.work_items(plan)[0])  # with the last block's empty ones
+    tiles = geom.batch * geom.q_heads * plan.rows_per_call // plan.rows * plan.key_tiles
+    assert plan.persistent_ctas == min(estimate_plan.HOPPER_SMS, tiles) > ctas
+    assert items >= tiles
+    plan = dataclasses.replace(plan, persistent_ctas=ctas)
+    _interpreted_equals_reference(q, k, geom, plan, causal=causal, key_len=key_len,
+                                  page_size=page_size, rand=rand, case=case)
 
 
 @pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
@@ -633,7 +718,9 @@ GPU_CASES = [
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
 # plan options): the chunk scores' calls (keys in use ending inside a stride group, in a
 # contiguous buffer and in pages of 4096, 1024 and 512 tokens: key tiles of 256, 128 and
-# 64 columns), row steps (causal and not; 8 and 3 steps, the last overlapping).
+# 64 columns), row steps (causal and not; 8 and 3 steps, the last overlapping), key groups
+# (a chunk's half on 2 GPUs in 2 spans; a paged cache in 3; causal in 3, spans of the
+# long row tiles only).
 GPU_KEY_CASES = [
     (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
     (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
@@ -641,6 +728,16 @@ GPU_KEY_CASES = [
     (1, 8, 2, 1000, 8192, 64, 8, 256, False, 4097, 512, {}),
     (1, 8, 2, 8192, 8192, 128, 8, 128, True, None, None, {"call_rows": 128}),
     (1, 8, 2, 5000, 7048, 128, 8, 128, False, None, None, {"call_rows": 256}),
+    (1, 16, 4, 4096, 32768, 128, 8, 1024, False, 30001, None, {"key_groups": 2}),
+    (2, 8, 2, 2048, 16384, 128, 8, 128, False, 16000, 1024, {"key_groups": 3}),
+    (1, 8, 2, 4096, 8192, 128, 8, 128, True, None, None, {"key_groups": 3}),
+    (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {"persistent": True}),
+    (1, 8, 2, 8192, 8192, 128, 8, 128, True, None, None,
+     {"call_rows": 128, "persistent": True}),
+    (1, 2, 1, 81920, 81920, 128, 8, 128, True, None, None, {"persistent": True}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, None, None, {"persistent": True}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, None, None, {"persistent": True}),
+    (1, 8, 2, 2048, 2048, 128, 16, 128, True, None, None, {"persistent": True}),
 ]
 
 

@@ -36,8 +36,11 @@ per key tile):
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
 steps of every head, `call_rows`, where its statistics would exceed MAX_SCRATCH_BYTES
-or the caller's bound) and in how many CTAs per row tile (`key_groups`, each a span of
-the key tiles).
+or the caller's bound) and on which grid: one CTA per row tile, or per row tile and
+key group (`key_groups`, each a span of the key tiles, where the row tiles alone leave
+SMs idle: `_key_groups`), or a persistent grid of one CTA per SM that walks work items
+of one row tile and one key tile each (`persistent_ctas`, `work_items`; off by default,
+PERSISTENT).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -80,8 +83,12 @@ MIN_STAGES = 2
 CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 and 4 to be measured
 CLUSTERS = (1, 2, 4)  # with the resident queries; the streamed ones take 1 only
 # CTAs sharing a row tile's key tiles, each a span of them (`EstimatePlan.key_groups`):
-# more CTAs for a short call on few heads; 1 (no split) until measured
-KEY_GROUPS = 1
+# a call of fewer CTAs than SMs takes the G of 1 .. MAX_KEY_GROUPS whose CTAs fill their
+# waves best (`_key_groups`). H200, half a 4096-query chunk (16 heads, 64 row tiles; the
+# chunk sharded over 2 GPUs), 64K / 128K keys: G = 1 0.417 / 0.849 ms, G = 2 (128 CTAs)
+# 0.219 / 0.437, G = 3 (192) 0.300 / 0.577, G = 4 (256) 0.237 / 0.474, the Triton kernel
+# 0.279 / 0.540 (mosaic_estimate_h200.md, session 13)
+MAX_KEY_GROUPS = 4
 # Timing variants that leave one stage of the kernel out (`bench.mosaic_estimate_check`;
 # their results are not block sums): the consumers' matrix products (scores read as 0),
 # or the statistics past the row maxima.
@@ -94,15 +101,26 @@ STAT_BYTES = 4  # float32 statistics
 # A larger call runs in row steps over all heads (`EstimatePlan.call_rows`), each within
 # it (a caller's max_scratch_bytes replaces it).
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
-# SMs of an H100 SXM / H200: the waves of a row step's CTAs (`_call_rows`)
+# SMs of an H100 SXM / H200: the waves of a row step's CTAs (`_call_rows`); the
+# persistent grid where the device does not say its own (`device_sms`)
 HOPPER_SMS = 132
+# A persistent grid (`EstimatePlan.persistent_ctas`): one CTA per SM walking the call's
+# work items (a row tile and a key tile each). Off: on the H200 it ran as fast as one
+# CTA per row tile, within the rounds' spread (kernel alone, causal 32K 1.087 against
+# 1.150 ms, 64K 4.540 / 4.309, non-causal 64K 7.086 / 7.353, the chunk over 64K 0.449 /
+# 0.432; causal 1M 1046 / 1074 ms), and slower than key groups on half a chunk (0.238
+# / 0.219 ms at 64K; mosaic_estimate_h200.md, session 13)
+PERSISTENT = False
+# Row tiles per block of the persistent grid's item order (`work_items`): the key tiles
+# pass by a block's row tiles, whose queries (16 MiB at 128 rows x S 8 x D 128 in bf16)
+# stay in L2 meanwhile, as each key tile does while the CTAs share it
+ROW_BLOCK_TILES = 64
 # "auto" runs the Mosaic block sums on calls of at least this many CTAs per kernel call
-# (`EstimatePlan.ctas`). A CTA walks all the keys of its row tile, so a short call on
-# few heads leaves SMs idle, where the Triton kernel splits the keys among more
-# programs. H200, 4096-query chunk over 128K: 128 CTAs, Mosaic 0.86-0.93 ms against
-# Triton's 1.08 (mosaic_estimate_h200.md, session 12); sharded over 2 GPUs, 64 CTAs each,
-# Mosaic 0.90 ms (session 12) against Triton's 0.56 (multi_gpu_h200x2.md): the break-even
-# lies near 3/4 of the SMs.
+# (`EstimatePlan.ctas`, key groups included): fewer leave SMs idle, where the Triton
+# kernel splits the keys among more programs. H200: 128 CTAs (a 4096-query chunk over
+# 128K on 32 heads) ran 0.86-0.93 ms against Triton's 1.08 (session 12), 64 (its half
+# on 16 heads, without key groups) 0.85 against 0.54 (session 13): the break-even lies
+# near 3/4 of the SMs.
 AUTO_MIN_CTAS = HOPPER_SMS * 3 // 4
 
 
@@ -123,7 +141,10 @@ class EstimatePlan(UnitSums):
     row steps (`_call_rows` sizes them); page_size: the tokens per page of a paged k
     (None: a contiguous k), a multiple of block_k x S, so that a key tile lies in one
     page; key_groups: the CTAs of each row tile (cluster 1, no pair_rows), each walking a
-    span of `key_span` of its key tiles (more CTAs for a short call on few heads).
+    span of `key_span` of its key tiles (more CTAs for a short call on few heads);
+    persistent_ctas: 0 (a CTA per row tile and key group), or the CTAs of a persistent
+    grid (streamed queries, cluster 1, key_groups 1, no pair_rows) that walk the call's
+    work items in turns (`work_items`).
     """
 
     geom: Geometry
@@ -137,7 +158,8 @@ class EstimatePlan(UnitSums):
     pair_rows: bool = PAIR_ROWS
     call_rows: int = 0
     page_size: int | None = None
-    key_groups: int = KEY_GROUPS
+    key_groups: int = 1
+    persistent_ctas: int = 0
 
     @property
     def rows(self) -> int:
@@ -156,6 +178,18 @@ class EstimatePlan(UnitSums):
         kernel call and one key group."""
         return self.pair_rows and causal and not self.call_rows and self.key_groups == 1
 
+    @property
+    def row_block_tiles(self) -> int:
+        """Row tiles per block of the persistent grid's item order: ROW_BLOCK_TILES, at
+        most a kernel call's."""
+        return min(ROW_BLOCK_TILES, self.rows_per_call // self.rows)
+
+    @property
+    def row_blocks(self) -> int:
+        """Blocks of `row_block_tiles` row tiles per (batch, head) of a kernel call; the
+        last one's row tiles past the call's are empty work items."""
+        return cdiv(self.rows_per_call // self.rows, self.row_block_tiles)
+
     def row_groups(self, causal: bool) -> int:
         """The kernel grid's row axis, per (batch, query head): ceil(R / 2) CTAs with
         paired row tiles, else one cluster per `cluster` row tiles of a kernel call
@@ -170,12 +204,17 @@ class EstimatePlan(UnitSums):
 
     def ctas(self, causal: bool) -> int:
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
+        if self.persistent_ctas:
+            return self.persistent_ctas
         return self.geom.batch * self.geom.q_heads * self.grid_rows(causal) * self.cluster
 
     def step_ctas(self, rows: int) -> int:
         """The CTAs of an unpaired kernel call covering `rows` reshaped query rows of every
-        head (a multiple of `row_quantum`): `ctas` of a row step of that many rows."""
-        return self.geom.batch * self.geom.q_heads * rows // self.rows * self.key_groups
+        head (a multiple of `row_quantum`): `ctas` of a row step of that many rows; with
+        a persistent grid, the call's work items (all key tiles), which it spreads over
+        its CTAs."""
+        tiles = self.key_tiles if self.persistent_ctas else self.key_groups
+        return self.geom.batch * self.geom.q_heads * rows // self.rows * tiles
 
     @property
     def key_span(self) -> int:
@@ -261,6 +300,29 @@ class EstimatePlan(UnitSums):
         return self.row_scratch_bytes * self.rows_per_call
 
 
+def work_items(plan: EstimatePlan, cols=None):
+    """The work items of a kernel call with a persistent grid, and the key tiles in use:
+    (items, tiles), int32 scalars (traced where `cols` is: the reshaped key columns in
+    use, default all k_cols). Item i, in the order the CTAs take them (CTA c the items
+    c, c + G, ... of G = `persistent_ctas`): i = (((batch x Hq + head) x row_blocks +
+    row block) x tiles + key tile) x row_block_tiles + row tile in the block. A key
+    tile's items are consecutive, so that the CTAs working at once share it, and a
+    block's row tiles come back for every key tile. Items of a key tile no row of the
+    row tile sees (causal), or of a row tile past the call's, are empty."""
+    cols = plan.geom.k_cols if cols is None else cols
+    tiles = _div(jnp.asarray(cols, jnp.int32) + (plan.block_k - 1), plan.block_k)
+    geom = plan.geom
+    return (tiles * (geom.batch * geom.q_heads * plan.row_blocks * plan.row_block_tiles),
+            tiles)
+
+
+def device_sms() -> int:
+    """The SMs of the default device where it is a GPU that says (jax's `core_count`),
+    else HOPPER_SMS: the CTAs of a persistent grid."""
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", 0) if device.platform == "gpu" else 0) or HOPPER_SMS
+
+
 def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
                        causal: bool = False, page_size: int | None = None,
                        queries: str = QUERIES,
@@ -314,8 +376,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   leave_out: str | None = None, queries: str | None = None,
                   stagger: bool | None = None, pair_rows: bool | None = None,
                   page_size: int | None = None, max_scratch_bytes: int | None = None,
-                  call_rows: int | None = None,
-                  key_groups: int | None = None) -> EstimatePlan:
+                  call_rows: int | None = None, key_groups: int | None = None,
+                  persistent: bool | None = None) -> EstimatePlan:
     """The plan of one call. page_size: the tokens per page of a paged k (None:
     contiguous); max_scratch_bytes: the statistics one kernel call may hold (default
     MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
@@ -325,12 +387,14 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     QUERY_LAYOUTS), stagger (the staggered consumers, streamed queries only), pair_rows
     (two row tiles per CTA in causal calls, streamed queries only), call_rows (the
     rows of a row step, a multiple of `EstimatePlan.row_quantum`, or 0 for one call) and
-    key_groups (CTAs per row tile, at most the key tiles; cluster 1, no pair_rows)
-    override the defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a
-    paged k, the largest multiple of 64 up to it that divides a page's columns), STAGGER
-    with the streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at
-    most MAX_STAGES, `_call_rows` and KEY_GROUPS. leave_out: a timing variant
-    (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
+    key_groups (CTAs per row tile, at most the key tiles; cluster 1, no pair_rows) and
+    persistent (a persistent grid of one CTA per SM, `device_sms`, at most one per work
+    item: streamed queries, cluster 1, key_groups 1, no pair_rows) override the
+    defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the
+    largest multiple of 64 up to it that divides a page's columns), STAGGER with the
+    streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at most
+    MAX_STAGES, `_call_rows`, `_key_groups` and PERSISTENT where the rest allows it.
+    leave_out: a timing variant (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
     (`unsupported_reason`) and overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
@@ -355,8 +419,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if stagger and queries != "streamed":
         raise ValueError("stagger needs queries='streamed' (the resident queries' "
                          f"consumers take the key tiles in turns); got {queries!r}")
-    key_groups = KEY_GROUPS if key_groups is None else key_groups
-    if key_groups < 1 or (key_groups > 1 and (cluster > 1 or pair_rows)):
+    if key_groups is not None and (key_groups < 1 or (key_groups > 1
+                                                      and (cluster > 1 or pair_rows))):
         raise ValueError(f"key_groups must be at least 1, and 1 with a cluster or pair_rows "
                          f"(a CTA walks its own span of keys); got {key_groups} with cluster "
                          f"{cluster}, pair_rows {pair_rows}")
@@ -375,10 +439,18 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
+    grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
+                  and not pair_rows)
+    if persistent is None:
+        persistent = PERSISTENT and grid_alone
+    if persistent and not grid_alone:
+        raise ValueError(f"persistent needs queries='streamed', cluster 1, key_groups 1 and "
+                         f"no pair_rows; got queries={queries!r}, cluster={cluster}, "
+                         f"key_groups={key_groups}, pair_rows={pair_rows}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
                         bool(stagger), bool(pair_rows), page_size=page_size,
-                        key_groups=key_groups)
-    if key_groups > plan.key_tiles:
+                        key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)))
+    if plan.key_groups > plan.key_tiles:
         raise ValueError(f"key_groups must be at most the {plan.key_tiles} key tiles; got "
                          f"{key_groups}")
     smem = plan.smem_bytes(itemsize)
@@ -396,7 +468,29 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         raise ValueError(f"call_rows must be 0 or a positive multiple of {plan.row_quantum}"
                          f" (whole clusters of row tiles and whole query blocks); got "
                          f"{call_rows}")
-    return dataclasses.replace(plan, call_rows=call_rows)
+    plan = dataclasses.replace(plan, call_rows=call_rows)
+    if persistent:
+        return dataclasses.replace(plan, persistent_ctas=min(
+            device_sms(), plan.step_ctas(plan.rows_per_call)))
+    if key_groups is None and cluster == 1 and not pair_rows and not call_rows:
+        return dataclasses.replace(plan, key_groups=_key_groups(plan))
+    return plan
+
+
+def _key_groups(plan: EstimatePlan) -> int:
+    """The key groups of a whole call of one CTA per row tile (`plan`, key_groups 1):
+    1 where its CTAs hold a wave (`device_sms`), else the G of 1 .. MAX_KEY_GROUPS (at
+    most the key tiles) whose CTAs fill their waves best (of equals, the smallest: the
+    longest spans)."""
+    sms, ctas = device_sms(), plan.step_ctas(plan.rows_per_call)
+    if ctas >= sms:
+        return 1
+
+    def fill(groups: int) -> float:
+        return ctas * groups / (cdiv(ctas * groups, sms) * sms)
+
+    return max(range(1, min(MAX_KEY_GROUPS, plan.key_tiles) + 1),
+               key=lambda groups: (fill(groups), -groups))
 
 
 def _wave_rows(plan: EstimatePlan) -> int:

@@ -88,6 +88,12 @@ grid's row axis share a row tile, CTA g walking its visible key tiles g x span .
 1) x span - 1 (`plan.key_span`; possibly none). Each tile's statistics have their own
 place, so nothing is combined across CTAs; the ring and barriers count the CTA's own
 tiles from its span's first.
+
+Persistent grid (`plan.persistent_ctas` = G, streamed queries, unpaired, one key
+group): G CTAs, CTA c walking work items c, c + G, ... of `estimate_plan.work_items`,
+each the (batch, head, row tile, key tile) its index names, or nothing where no row of
+the row tile sees the key tile. As with paired row tiles, the CTA's step count goes on
+across its items, and consumer 1 waits for its lead at the CTA's first walked tile.
 """
 
 from __future__ import annotations
@@ -102,32 +108,46 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan, paired_row_tiles,
-                                            unmasked_tiles, visible_tiles)
+                                            unmasked_tiles, visible_tiles, work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
 CLUSTER_AXIS = "cluster"
+PERSISTENT_AXIS = "ctas"
 
 
-def _cta_row_tiles(plan: EstimatePlan, causal: bool, first_row, cols):
-    """The row tiles this CTA walks, in order: (count, row_tile) with count the Python
-    int 1, or with paired row tiles (`estimate_plan.paired_row_tiles`) a traced int32 1
-    or 2, and row_tile(j) -> (row0, lo, n) for its j-th row tile (j: 0, or a traced
-    int32 with the paired ones): the tile's first reshaped query row in this kernel
-    call (the call's rows start at `first_row`), and the key tiles lo .. lo + n - 1 the
-    CTA walks for it (int32 scalars, lo the Python int 0 without key groups; `cols`: the
-    key columns in use). Unpaired: the clusters run long row tiles first, and the CTAs
-    of a cluster walk the key tiles its last row tile sees; with `plan.key_groups` = G,
-    the G CTAs of a row tile walk consecutive spans of `plan.key_span` of them."""
+def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols):
+    """The work of this CTA, in order: a function each(walk) that runs walk(batch, head,
+    row0, lo, n, walked) for each of its units (a row tile of (batch, head) starting at
+    reshaped query row row0 of this call, whose key tiles lo .. lo + n - 1 the CTA walks;
+    walked = the key tiles walked for the units before) and returns the key tiles
+    walked in all. `first_row`: the call's first row; `cols`: the key columns in use.
+
+    - Persistent (`plan.persistent_ctas` = G): the call's work items (`work_items`) c,
+      c + G, c + 2G, ... for CTA c, each one key tile (n = 1) or none (n = 0: a tile no
+      row of the row tile sees, or a row tile past the call's).
+    - Else one unit per row tile on the grid (batch, head, row group), or two with
+      paired row tiles (`estimate_plan.paired_row_tiles`). Unpaired, the clusters run
+      long row tiles first, and the CTAs of a cluster walk the key tiles its last row
+      tile sees; with `plan.key_groups` = G, the G CTAs of a row tile walk consecutive
+      spans of `plan.key_span` of them."""
+    if plan.persistent_ctas:
+        return functools.partial(_walk_items, plan, causal, first_row, cols)
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     index = lax.axis_index("row_groups")
     if plan.paired(causal):  # one kernel call, one key group: first_row = 0
         pair = paired_row_tiles(plan, index)
 
-        def nth(j):
-            row0 = jnp.where(j == 0, *pair) * plan.rows
-            return row0, 0, visible_tiles(plan, causal, row0, cols)
+        def paired(walk):
+            def one(j, walked):
+                row0 = jnp.where(j == 0, *pair) * plan.rows
+                num_tiles = visible_tiles(plan, causal, row0, cols)
+                walk(batch, head, row0, 0, num_tiles, walked)
+                return walked + num_tiles
 
-        return jnp.where(pair[0] == pair[1], 1, 2), nth
+            return lax.fori_loop(0, jnp.where(pair[0] == pair[1], 1, 2), one, jnp.int32(0))
+
+        return paired
     group, lo = index, 0
     if plan.key_groups > 1:
         group = lax.div(index, jnp.int32(plan.key_groups))
@@ -138,13 +158,64 @@ def _cta_row_tiles(plan: EstimatePlan, causal: bool, first_row, cols):
                               first_row + (first_tile + plan.cluster - 1) * plan.rows, cols)
     if plan.key_groups > 1:
         num_tiles = jnp.clip(num_tiles - lo, 0, plan.key_span)
-    return 1, lambda j: (row0, lo, num_tiles)
+
+    def single(walk):
+        walk(batch, head, row0, lo, num_tiles, 0)
+        return num_tiles
+
+    return single
+
+
+def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, walk):
+    """The persistent CTA's units (`_cta_work`): work item i = c + G j, j = 0, 1, ...,
+    of `work_items`, as (batch, head, row0, tile, 0 or 1, walked)."""
+    cta = lax.axis_index(PERSISTENT_AXIS)
+    ctas, block = plan.persistent_ctas, plan.row_block_tiles
+    items, tiles = work_items(plan, cols)
+
+    def one(j, walked):
+        i = cta + j * ctas
+        row_in_block, i = lax.rem(i, jnp.int32(block)), lax.div(i, jnp.int32(block))
+        tile, i = lax.rem(i, tiles), lax.div(i, tiles)
+        row_block, i = lax.rem(i, jnp.int32(plan.row_blocks)), lax.div(
+            i, jnp.int32(plan.row_blocks))
+        head, batch = lax.rem(i, jnp.int32(plan.geom.q_heads)), lax.div(
+            i, jnp.int32(plan.geom.q_heads))
+        row_tile = row_block * block + row_in_block
+        row0 = row_tile * plan.rows
+        seen = ((row_tile < plan.rows_per_call // plan.rows)
+                & (tile < visible_tiles(plan, causal, first_row + row0, cols)))
+        num_tiles = seen.astype(jnp.int32)
+        walk(batch, head, row0, tile, num_tiles, walked)
+        return walked + num_tiles
+
+    return lax.fori_loop(0, lax.div(items - cta + (ctas - 1), jnp.int32(ctas)), one,
+                         jnp.int32(0))
 
 
 def _shift(x, offset):
     """x + offset, x itself where offset is the Python int 0 (no key groups: the kernel
     stays the one measured without them)."""
     return x if isinstance(offset, int) and offset == 0 else x + offset
+
+
+def _seen(shape, first_column, cols, diagonal):
+    """Which scores of a consumer's tile (`shape` = [64 rows, block_k], the WGMMA layout)
+    its rows see: column first_column + c is seen by row i iff it is one of the `cols`
+    in use and, with `diagonal` (None: not causal), at most i + diagonal (section 2).
+    Each row's bound is one number and each column's index another: 1-D arrays in the
+    layout's row and column parts, compared element by element only in the broadcast
+    (2-D index arrays spilled registers: ncu counted 1.4M local-memory requests at
+    causal 32K on the H200, none without the masks; mosaic_estimate_h200.md)."""
+    bound = cols - first_column  # columns c < bound
+    if diagonal is not None:
+        rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0,
+                                      layout=plgpu.Layout.WGMMA.reduce(1))
+        bound = lax.broadcast_in_dim(jnp.minimum(rows + (diagonal + 1 - first_column), bound),
+                                     shape, [0])
+    columns = plgpu.broadcasted_iota(jnp.int32, shape[1:], 0,
+                                     layout=plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(columns, shape, [1]) < bound
 
 
 def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: float,
@@ -165,8 +236,6 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
     streamed = plan.queries == "streamed"
-    batch = lax.axis_index("batch")
-    head = lax.axis_index("heads")
     wg = lax.axis_index(WG_AXIS)
     cols = geom.k_cols  # key columns in use
     if keys_in_use:
@@ -176,26 +245,9 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
         # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
         # queries' row index to be one (block_rows is: `unsupported_reason`)
         first_row = scalars_ref[1] * COLUMN_TILE
-    row_tiles, row_tile = _cta_row_tiles(plan, causal, first_row, cols)
+    each_unit = _cta_work(plan, causal, first_row, cols)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
-
-    def each_row_tile(walk):
-        """Runs walk(row0, lo, n, walked) for each row tile of the CTA in order (its key
-        tiles lo .. lo + n - 1), walked = the key tiles walked for the ones before (the
-        ring's steps count on across row tiles: slots and barrier phases continue).
-        Returns the key tiles the CTA walks."""
-        if not plan.paired(causal):
-            row0, lo, num_tiles = row_tile(0)
-            walk(row0, lo, num_tiles, 0)
-            return num_tiles
-
-        def one(j, walked):
-            row0, lo, num_tiles = row_tile(j)
-            walk(row0, lo, num_tiles, walked)
-            return walked + num_tiles
-
-        return lax.fori_loop(0, row_tiles, one, jnp.int32(0))
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -207,10 +259,6 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
         out = stats_smem.at[wg]
         if not streamed:
             plgpu.barrier_wait(q_ready)
-        if plan.stagger:
-            @pl.when((wg == 1) & (row_tile(0)[2] > 0))
-            def _():
-                plgpu.barrier_wait(lead)
 
         def queries(step, slot):
             """The wgmma's left operand `[64, block_d]` of this step."""
@@ -219,9 +267,9 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             member, part = divmod(step, parts)
             return q_smem.at[(geom.stride - 1 - member) * parts + part]
 
-        def consume(row0, lo, num_tiles, walked):
-            """The consumer's key tiles (of lo .. lo + num_tiles - 1) of the row tile
-            starting at row0 of the call."""
+        def consume(batch, head, row0, lo, num_tiles, walked):
+            """The consumer's key tiles (of lo .. lo + num_tiles - 1) of the row tile of
+            (batch, head) starting at row0 of the call."""
             own_row0 = row0 + wg * WGMMA_ROWS if streamed else row0
             query_row = first_row + own_row0  # of all the reshaped query rows
             own_tiles = lax.div(num_tiles - first + (turns - 1), jnp.int32(turns))
@@ -233,6 +281,11 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                 walked_here = first + n * turns  # tiles of this row tile before it
                 tile = _shift(walked_here, lo)
                 first_step = (walked + walked_here) * steps  # the CTA's step count
+
+                if plan.stagger:  # consumer 1 starts with the CTA's first tile
+                    @pl.when((wg == 1) & (walked + walked_here == 0))
+                    def _():
+                        plgpu.barrier_wait(lead)
 
                 def product(acc_ref):
                     for step in range(steps):  # static: the resident queries' chunk index
@@ -264,15 +317,8 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     a = plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
                                           plgpu.Layout.WGMMA)
                 if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                  layout=plgpu.Layout.WGMMA)
-                    cols_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                       layout=plgpu.Layout.WGMMA)
-                    columns = cols_iota + tile * bk
-                    seen = columns < cols
-                    if causal:  # column j seen by row i iff j <= i + (Lk - Lq) / S
-                        seen = seen & (columns <= rows + (query_row + geom.row_offset))
-                    a = jnp.where(seen, a, -jnp.inf)
+                    a = jnp.where(_seen(shape, tile * bk, cols, query_row + geom.row_offset
+                                        if causal else None), a, -jnp.inf)
                 # scale > 0: the maximum of the products, scaled, is the maximum of A',
                 # and A' - m is one fused multiply-add per score (no pass scaling A)
                 m = a.max(axis=1) * jnp.float32(scale)
@@ -296,35 +342,37 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
             lax.fori_loop(plain, own_tiles, functools.partial(one_tile, masked=True), None)
 
-        each_row_tile(consume)
+        each_unit(consume)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        if not streamed:  # never paired: one row tile
-            row0 = first_row + row_tile(0)[0]
-            for member in range(geom.stride):
-                for part in range(parts):
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[batch, head, pl.ds(row0, plan.rows), member,
-                                 pl.ds(part * bd, bd)],
-                        q_smem.at[member * parts + part], q_ready)
-        kv_head = lax.div(head, jnp.int32(geom.group))
 
-        def key_chunk(tile, member, columns):
-            """Stride member `member`'s `columns` of key tile `tile`: `[block_k, block_d]`
-            of k, or of the page holding the tile (a tile never crosses a page)."""
-            if table_ref is None:
-                return k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns]
-            tiles_per_page = jnp.int32(plan.page_size // geom.stride // bk)
-            page = table_ref[batch, lax.div(tile, tiles_per_page)]
-            return k_ref.at[page, pl.ds(lax.rem(tile, tiles_per_page) * bk, bk), member,
-                            kv_head, columns]
+        def produce(batch, head, row0, lo, num_tiles, walked):
+            """The chunks of key tiles lo .. lo + num_tiles - 1 of the row tile of (batch,
+            head) starting at row0 of the call, the CTA's steps `index` (resident
+            queries: the row tile's queries first; a CTA has one row tile then)."""
+            if not streamed:
+                for member in range(geom.stride):
+                    for part in range(parts):
+                        plgpu.copy_gmem_to_smem(
+                            q_ref.at[batch, head, pl.ds(first_row + row0, plan.rows),
+                                     member, pl.ds(part * bd, bd)],
+                            q_smem.at[member * parts + part], q_ready)
+            kv_head = lax.div(head, jnp.int32(geom.group))
 
-        def produce(row0, lo, num_tiles, walked):
-            """The chunks of key tiles lo .. lo + num_tiles - 1 of the row tile starting
-            at row0 of the call, the CTA's steps `index`."""
+            def key_chunk(tile, member, columns):
+                """Stride member `member`'s `columns` of key tile `tile`: `[block_k,
+                block_d]` of k, or of the page holding the tile (a tile never crosses a
+                page)."""
+                if table_ref is None:
+                    return k_ref.at[batch, kv_head, pl.ds(tile * bk, bk), member, columns]
+                tiles_per_page = jnp.int32(plan.page_size // geom.stride // bk)
+                page = table_ref[batch, lax.div(tile, tiles_per_page)]
+                return k_ref.at[page, pl.ds(lax.rem(tile, tiles_per_page) * bk, bk),
+                                member, kv_head, columns]
+
             @pl.loop(walked * steps, (walked + num_tiles) * steps)
             def _(index):
                 walked_here = lax.div(index, jnp.int32(steps)) - walked
@@ -350,7 +398,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                 plgpu.copy_gmem_to_smem(key_chunk(tile, member, columns), k_smem.at[slot],
                                         slot_ready, collective_axes=multicast)
 
-        total = each_row_tile(produce) * steps
+        total = each_unit(produce) * steps
 
         # Observe the last releases too: every completed phase of `free` is waited for.
         @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -410,12 +458,14 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None, scalars: jax
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
                              keys_in_use=keys_in_use)
     operands = (q, k) + ((table,) if plan.page_size else ()) + (scalars,)
+    grid = ({PERSISTENT_AXIS: plan.persistent_ctas} if plan.persistent_ctas else
+            {"heads": geom.q_heads, "batch": geom.batch, "row_groups": plan.grid_rows(causal)})
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=_scratch_types(plan, q.dtype),
-        grid=(geom.q_heads, geom.batch, plan.grid_rows(causal)),
-        grid_names=("heads", "batch", "row_groups"),
+        grid=tuple(grid.values()),
+        grid_names=tuple(grid),
         cluster=(plan.cluster,),  # the last grid axis: consecutive row tiles
         cluster_names=(CLUSTER_AXIS,),
         num_threads=CONSUMERS + 1,
