@@ -661,7 +661,7 @@ def test_persistent_grid_in_gpu_interpret_mode(rand, monkeypatch, case):
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size,
                                        persistent=True, **options)
     items = int(estimate_plan.work_items(plan)[0])  # with the last block's empty ones
-    tiles = geom.batch * geom.q_heads * plan.rows_per_call // plan.rows * plan.key_tiles
+    tiles = geom.batch * geom.q_heads * plan.call_row_tiles * plan.key_tiles
     assert plan.persistent_ctas == min(estimate_plan.HOPPER_SMS, tiles) > ctas
     assert items >= tiles
     plan = dataclasses.replace(plan, persistent_ctas=ctas)

@@ -182,13 +182,13 @@ class EstimatePlan(UnitSums):
     def row_block_tiles(self) -> int:
         """Row tiles per block of the persistent grid's item order: ROW_BLOCK_TILES, at
         most a kernel call's."""
-        return min(ROW_BLOCK_TILES, self.rows_per_call // self.rows)
+        return min(ROW_BLOCK_TILES, self.call_row_tiles)
 
     @property
     def row_blocks(self) -> int:
         """Blocks of `row_block_tiles` row tiles per (batch, head) of a kernel call; the
         last one's row tiles past the call's are empty work items."""
-        return cdiv(self.rows_per_call // self.rows, self.row_block_tiles)
+        return cdiv(self.call_row_tiles, self.row_block_tiles)
 
     def row_groups(self, causal: bool) -> int:
         """The kernel grid's row axis, per (batch, query head): ceil(R / 2) CTAs with
@@ -196,7 +196,7 @@ class EstimatePlan(UnitSums):
         (R = row_tiles)."""
         if self.paired(causal):
             return cdiv(self.row_tiles, 2)
-        return self.rows_per_call // (self.rows * self.cluster)
+        return self.call_row_tiles // self.cluster
 
     def grid_rows(self, causal: bool) -> int:
         """The kernel grid's row axis: `row_groups`, each in `key_groups` CTAs."""
@@ -241,6 +241,11 @@ class EstimatePlan(UnitSums):
     def rows_per_call(self) -> int:
         """The reshaped query rows of every head one kernel call covers."""
         return self.call_rows or self.row_tiles * self.rows
+
+    @property
+    def call_row_tiles(self) -> int:
+        """The row tiles of every head one kernel call covers (whole clusters)."""
+        return self.rows_per_call // self.rows
 
     @property
     def key_tiles(self) -> int:
@@ -309,8 +314,7 @@ def work_items(plan: EstimatePlan, cols=None):
     tile's items are consecutive, so that the CTAs working at once share it, and a
     block's row tiles come back for every key tile. Items of a key tile no row of the
     row tile sees (causal), or of a row tile past the call's, are empty."""
-    cols = plan.geom.k_cols if cols is None else cols
-    tiles = _div(jnp.asarray(cols, jnp.int32) + (plan.block_k - 1), plan.block_k)
+    tiles = visible_tiles(plan, False, 0, cols)
     geom = plan.geom
     return (tiles * (geom.batch * geom.q_heads * plan.row_blocks * plan.row_block_tiles),
             tiles)
@@ -394,8 +398,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     largest multiple of 64 up to it that divides a page's columns), STAGGER with the
     streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at most
     MAX_STAGES, `_call_rows`, `_key_groups` and PERSISTENT where the rest allows it.
-    leave_out: a timing variant (LEAVE_OUT). Raises ValueError for arguments the kernel does not take
-    (`unsupported_reason`) and overrides that do not fit."""
+    leave_out: a timing variant (LEAVE_OUT). Raises ValueError for arguments the kernel
+    does not take (`unsupported_reason`) and overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
         stagger = default_stagger(queries)

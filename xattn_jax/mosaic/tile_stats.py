@@ -183,7 +183,7 @@ def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, walk):
             i, jnp.int32(plan.geom.q_heads))
         row_tile = row_block * block + row_in_block
         row0 = row_tile * plan.rows
-        seen = ((row_tile < plan.rows_per_call // plan.rows)
+        seen = ((row_tile < plan.call_row_tiles)
                 & (tile < visible_tiles(plan, causal, first_row + row0, cols)))
         num_tiles = seen.astype(jnp.int32)
         walk(batch, head, row0, tile, num_tiles, walked)
