@@ -11,11 +11,11 @@ new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 (--queries / --block-k / --stages / --cluster / --stagger / --pair-rows: plan variants,
 each a comma-separated list, checked and timed in every combination (`estimate_plan.
 estimate_plan`; options equal to their layout's default are folded away; a combination
-the plan refuses at causal-64k, e.g. a cluster or stagger with the resident queries,
-prints its error once and is dropped); the default plan always runs first, and is not
+the plan refuses at causal-64k, e.g. a stagger with the resident queries, prints its
+error once and is dropped); the default plan always runs first, and is not
 repeated as a variant. Default --queries resident,streamed: both layouts of the queries run
-(`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of the
-resident layout run. Every line and table row names the plan's layout. --ptxas: Mosaic
+(`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of
+both layouts run. Every line and table row names the plan's layout. --ptxas: Mosaic
 GPU prints ptxas' report of each kernel: registers, spills.)
 
 1. Smoke: the first check case, with the default plan and with each variant, each in a

@@ -104,8 +104,13 @@ def test_plan_defaults_fit_and_overrides_are_checked():
         estimate_plan.estimate_plan(geom, jnp.bfloat16, leave_out="epilogue")
     with pytest.raises(ValueError, match="queries"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="tiled")
-    with pytest.raises(ValueError, match="cluster must be 1 with queries='streamed'"):
-        estimate_plan.estimate_plan(geom, jnp.bfloat16, cluster=2, queries="streamed")
+    # a cluster of the streamed queries: whole clusters of row tiles, no key groups even
+    # where a short call would take them (half a chunk takes 2 alone)
+    half_chunk = Geometry(1, 16, 4, 4096, 65536, 128, 8, 1024)
+    assert estimate_plan.estimate_plan(half_chunk, jnp.bfloat16).key_groups == 2
+    clustered = estimate_plan.estimate_plan(half_chunk, jnp.bfloat16, cluster=4)
+    assert (clustered.queries, clustered.cluster, clustered.key_groups) == ("streamed", 4, 1)
+    assert (clustered.row_tiles, clustered.ctas(False)) == (4, 64)
     with pytest.raises(ValueError, match="stagger needs queries='streamed'"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True, queries="resident")
 
@@ -374,8 +379,8 @@ needs_mosaic_gpu = pytest.mark.skipif(
     reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size), causal, plan options; each
-# case without a cluster is lowered with both layouts of the queries (the streamed ones
-# with their default block_k 256 where the case names none)
+# case is lowered with both layouts of the queries (the streamed ones with their default
+# block_k 256 where the case names none)
 LOWERING_CASES = [
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {}),
     ((1, 32, 8, 4096, 4096, 128, 8, 64), False, {}),
@@ -389,8 +394,7 @@ LOWERING_CASES = [
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"leave_out": "statistics"}),
 ]
 LOWERING_CASES = [(shape, causal, {**options, "queries": queries})
-                  for shape, causal, options in LOWERING_CASES for queries in QUERY_LAYOUTS
-                  if queries == "resident" or "cluster" not in options]
+                  for shape, causal, options in LOWERING_CASES for queries in QUERY_LAYOUTS]
 LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepest ring
     ((1, 8, 2, 2048, 2048, 128, 16, 128), True, {"queries": "streamed"}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
@@ -483,7 +487,9 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # see; a cluster of four), float16. Streamed queries (128 rows per CTA): causal, where
 # consumer 0 computes a tile none of its rows sees; odd lengths, the row tile's second
 # half padding; D 128 with a ring of 2 slots and Lq < Lk; block_k 128 and 256, float16;
-# staggered consumers (a lag of one step; of stages - 1 = 2, less than half a tile).
+# staggered consumers (a lag of one step; of stages - 1 = 2, less than half a tile);
+# clusters sharing the key chunks: of two (causal, the first CTA walking the second's
+# tiles; one CTA of padding rows, unstaggered, batch 2) and of four (the last padding).
 # Paired row tiles (pair_rows, causal; no row sees nothing, Lq <= Lk: each walks tile 0
 # at least): an odd R = 3, the middle row tile alone in the second CTA, the first CTA's
 # 14 steps wrapping its ring of 8 slots, consumer 0 computing tiles none of its rows
@@ -519,6 +525,12 @@ INTERPRET_CASES = [
      {"block_k": 64, "queries": "streamed", "stagger": True}),
     (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
      {"block_k": 64, "stages": 3, "queries": "streamed", "stagger": True}),
+    (1, 2, 1, 300, 556, 128, 2, 64, True, 1.0,
+     {"block_k": 64, "stages": 2, "cluster": 2, "queries": "streamed"}),
+    (2, 2, 2, 190, 251, 64, 2, 16, False, 1.0,
+     {"block_k": 64, "cluster": 2, "queries": "streamed", "stagger": False}),
+    (1, 2, 1, 600, 728, 64, 2, 64, True, 1.0,
+     {"block_k": 64, "stages": 3, "cluster": 4, "queries": "streamed"}),
     (1, 2, 1, 600, 600, 64, 2, 32, True, 1.0,
      {"block_k": 64, "queries": "streamed", "pair_rows": True}),
     (1, 2, 1, 1000, 1256, 64, 2, 64, True, 1.0,
@@ -689,7 +701,8 @@ def test_timing_variant_without_products_reads_zero_scores(rand, queries):
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options; {}: the
 # default plan, streamed queries at block_k 256 with staggered consumers; pair_rows: R =
-# 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it)
+# 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it; clusters of the
+# streamed queries: 2, causal; 4, two of its CTAs padding rows)
 GPU_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident"}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "resident"}),
@@ -712,6 +725,8 @@ GPU_CASES = [
     (2, 8, 2, 2900, 4948, 128, 8, 128, True, {"pair_rows": True}),
     (1, 8, 2, 6144, 6144, 128, 16, 256, True, {"pair_rows": True}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"pair_rows": True}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 4, "block_k": 128}),
 ]
 
 

@@ -21,17 +21,18 @@ per key tile):
   holds the query chunk `[128, block_d]` and the key chunk `[block_k, block_d]` of one
   step, and consumer w multiplies rows 64w .. 64w + 63 of it (GEMM style: every key byte
   written to shared memory serves 128 rows, and the ring gets the room the resident
-  queries took). Both consumers compute every key tile; no clusters. With `stagger`
-  (the default), consumer 1 starts `lag_steps` steps after consumer 0, so that each
-  one's statistics may overlap the other's products. With `pair_rows` (causal calls
-  only; off by default: measured slower, PAIR_ROWS), a CTA walks two row tiles one
-  after the other, i and R - 1 - i of the R row tiles of its (batch, query head), so
-  that every CTA walks about the same number of key tiles of the causal triangle
-  whatever i (R + 1 with block_k = 128 and Lq = Lk; `paired_row_tiles`; an odd R's
-  middle row tile is alone in its CTA) on a grid of ceil(R / 2) CTAs per head
-  (`EstimatePlan.row_groups`). The plan does not know whether a call is causal: a
-  non-causal call, whose row tiles all walk every key tile, ignores the flag (one row
-  tile per CTA).
+  queries took). Both consumers compute every key tile. With `cluster` = c > 1, the
+  CTAs of c consecutive row tiles share each key chunk as above (each loads its own
+  query chunks). With `stagger` (the default), consumer 1 starts `lag_steps` steps
+  after consumer 0, so that each one's statistics may overlap the other's products.
+  With `pair_rows` (causal calls only; off by default: measured slower, PAIR_ROWS), a
+  CTA walks two row tiles one after the other, i and R - 1 - i of the R row tiles of
+  its (batch, query head), so that every CTA walks about the same number of key tiles
+  of the causal triangle whatever i (R + 1 with block_k = 128 and Lq = Lk;
+  `paired_row_tiles`; an odd R's middle row tile is alone in its CTA) on a grid of
+  ceil(R / 2) CTAs per head (`EstimatePlan.row_groups`). The plan does not know
+  whether a call is causal: a non-causal call, whose row tiles all walk every key
+  tile, ignores the flag (one row tile per CTA).
 
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
@@ -80,8 +81,13 @@ PAIR_ROWS = False
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
-CLUSTER = 1  # CTAs sharing key chunks (TMA multicast); 2 and 4 to be measured
-CLUSTERS = (1, 2, 4)  # with the resident queries; the streamed ones take 1 only
+# CTAs sharing key chunks (TMA multicast): 1, as clusters ran slower on the H200 with
+# either layout (mosaic_estimate_h200.md: resident, the first kernel's second run;
+# streamed, session 14, kernel alone, cluster 1 / 2 / 4: causal 32K 1.009 / 1.132 /
+# 1.308 ms, non-causal 64K 7.158 / 7.402 / 7.742, the chunk over 64K 0.391 / 0.422 /
+# 0.914)
+CLUSTER = 1
+CLUSTERS = (1, 2, 4)
 # CTAs sharing a row tile's key tiles, each a span of them (`EstimatePlan.key_groups`):
 # a call of fewer CTAs than SMs takes the G of 1 .. MAX_KEY_GROUPS whose CTAs fill their
 # waves best (`_key_groups`). H200, half a 4096-query chunk (16 heads, 64 row tiles; the
@@ -387,11 +393,11 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
 
     block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
-    stages, cluster (in CLUSTERS; the streamed queries take 1 only), queries (in
-    QUERY_LAYOUTS), stagger (the staggered consumers, streamed queries only), pair_rows
-    (two row tiles per CTA in causal calls, streamed queries only), call_rows (the
-    rows of a row step, a multiple of `EstimatePlan.row_quantum`, or 0 for one call) and
-    key_groups (CTAs per row tile, at most the key tiles; cluster 1, no pair_rows) and
+    stages, cluster (in CLUSTERS), queries (in QUERY_LAYOUTS), stagger (the staggered
+    consumers, streamed queries only), pair_rows (two row tiles per CTA in causal
+    calls, streamed queries only), call_rows (the rows of a row step, a multiple of
+    `EstimatePlan.row_quantum`, or 0 for one call) and key_groups (CTAs per row tile, at
+    most the key tiles; cluster 1, no pair_rows) and
     persistent (a persistent grid of one CTA per SM, `device_sms`, at most one per work
     item: streamed queries, cluster 1, key_groups 1, no pair_rows) override the
     defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the
@@ -417,9 +423,6 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         raise ValueError("pair_rows needs queries='streamed' and cluster 1 (a CTA walks "
                          f"its two row tiles alone); got queries={queries!r}, cluster="
                          f"{cluster}")
-    if cluster > 1 and queries == "streamed":
-        raise ValueError(f"cluster must be 1 with queries='streamed' (no multicast of the "
-                         f"query and key chunks); got {cluster}")
     if stagger and queries != "streamed":
         raise ValueError("stagger needs queries='streamed' (the resident queries' "
                          f"consumers take the key tiles in turns); got {queries!r}")

@@ -76,12 +76,13 @@ call_rows).
 `plan.leave_out` (timing only) skips the consumers' products or their statistics past
 the maxima; the pipeline and the stores stay.
 
-Clusters (resident queries only, `plan.cluster` = c > 1): the CTAs of c consecutive row
-tiles walk the same key tiles (those the last one sees; earlier ones mask their extra
-tiles whole) and each key chunk is multicast to all, each CTA's producer loading 1/c of
-it; the ring's release barrier then counts the owning consumer of every CTA in the
-cluster. A CTA's producer waits for the last releases of all, so no CTA exits while
-another may still write to its shared memory or arrive on its barriers.
+Clusters (`plan.cluster` = c > 1, one key group, unpaired): the CTAs of c consecutive
+row tiles walk the same key tiles (those the last one sees; earlier ones mask their
+extra tiles whole) and each key chunk is multicast to all, each CTA's producer loading
+1/c of it (streamed: and its own query chunk); the ring's release barrier then counts
+the slot's readers in every CTA of the cluster. A CTA's producer waits for the last
+releases of all, so no CTA exits while another may still write to its shared memory or
+arrive on its barriers.
 
 Key groups (`plan.key_groups` = G > 1, cluster 1, unpaired): G consecutive CTAs on the
 grid's row axis share a row tile, CTA g walking its visible key tiles g x span .. (g +
@@ -415,15 +416,22 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
     keys = plgpu.SMEM((plan.stages, plan.block_k, plan.block_d), dtype,
                       transforms=transforms)
     stats = plgpu.SMEM((CONSUMERS, plan.stat_planes, WGMMA_ROWS), jnp.float32)
-    if plan.queries == "streamed":
+    streamed = plan.queries == "streamed"
+    # free: a slot is refilled once its readers are done (streamed: both consumers;
+    # resident: the tile's consumer), in every CTA of the cluster (whose key chunks the
+    # refill writes)
+    readers = CONSUMERS if streamed else 1
+    free = (plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_arrivals=readers,
+                                 num_barriers=plan.stages) if plan.cluster > 1 else
+            plgpu.Barrier(num_arrivals=readers, num_barriers=plan.stages))
+    if streamed:
         return (
             plgpu.SMEM((plan.stages, plan.rows, plan.block_d), dtype, transforms=transforms),
             keys, stats,
             None,
             # ready: the slot's query and key chunks landed
             plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
-            # free: both consumers are done with the slot
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=plan.stages),
+            free,
             plgpu.Barrier() if plan.stagger else None,  # lead: consumer 1 may start
         )
     chunks = plan.geom.stride * plan.head_parts
@@ -432,9 +440,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
         keys, stats,
         plgpu.Barrier(num_arrivals=chunks),  # q_ready: every query chunk landed
         plgpu.Barrier(num_barriers=CONSUMERS * plan.stages),  # ready, per consumer
-        # free: a slot is refilled once its consumer in every CTA of the cluster is done
-        plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_barriers=plan.stages)
-        if plan.cluster > 1 else plgpu.Barrier(num_barriers=plan.stages),
+        free,
         None,  # lead
     )
 
