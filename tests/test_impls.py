@@ -131,7 +131,7 @@ def test_calls_the_mosaic_block_sums_do_not_take(fallback):
 
 
 def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
-    """A call the Mosaic block sums take, but in fewer CTAs than AUTO_MIN_CTAS (one row
+    """A call the Mosaic block sums take, but in fewer CTAs than `auto_min_ctas` (one row
     tile of 128 reshaped rows x 2 heads here): "auto"'s Mosaic implementation runs the
     Triton kernel (interpret mode off a GPU), which gives the reference's block sums. No
     Mosaic GPU code runs."""
@@ -143,7 +143,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     geom = xattn_jax.checks.check_qk(q, k, stride=8, block_size=64, causal=True)
     assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True) is None
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
-    assert plan.ctas(True) == 2 < estimate_plan.AUTO_MIN_CTAS
+    assert plan.ctas(True) == 2 < estimate_plan.auto_min_ctas()
     impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=True)
     got = impl.block_sums(q, k, geom=geom, causal=True, norm=1.0)
     want = xattn_jax.reference.block_sums(q, k, geom, causal=True, norm=1.0)
@@ -156,4 +156,4 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     half = xattn_jax.geometry.Geometry(1, 16, 4, 4096, 131072, 128, 8, 1024)
     plan = estimate_plan.estimate_plan(half, jnp.bfloat16)
     assert (plan.key_groups, plan.ctas(False)) == (2, 128)
-    assert 64 < estimate_plan.AUTO_MIN_CTAS <= 128
+    assert 64 < estimate_plan.auto_min_ctas() <= 128

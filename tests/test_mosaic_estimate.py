@@ -173,11 +173,11 @@ def test_paired_row_tiles_balance_the_causal_triangle(q_len, k_len, stride, bloc
 def test_row_steps_bound_the_statistics_and_fill_the_waves():
     """A call whose statistics exceed the bound runs in row steps of every head: each
     step's statistics within the bound, whole row tiles and query blocks, and the step
-    size with the fewest waves of CTAs in all (HOPPER_SMS). Causal 128K, 32 heads: 2.4
-    GiB whole; 2 steps of 8192 rows (64 row tiles x 32 heads = 2048 CTAs, 16 waves
-    each). 1M: 4.8 GiB per head's rows; steps of 1024 rows (256 CTAs: 2 waves, 128 steps)
-    take fewer waves than 1280 (320 CTAs: 3 waves, 103 steps); 512 (128 CTAs) would leave
-    SMs idle. A bound holding no step of a wave is refused."""
+    size with the fewest waves of CTAs in all (`device_sms`: 132 on CPU and an H200).
+    Causal 128K, 32 heads: 2.4 GiB whole; 2 steps of 8192 rows (64 row tiles x 32 heads
+    = 2048 CTAs, 16 waves each). 1M: 4.8 GiB per head's rows; steps of 1024 rows (256
+    CTAs: 2 waves, 128 steps) take fewer waves than 1280 (320 CTAs: 3 waves, 103 steps);
+    512 (128 CTAs) would leave SMs idle. A bound holding no step of a wave is refused."""
     long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
     whole = estimate_plan.estimate_plan(Geometry(1, 32, 8, 65536, 65536, 128, 8, 128),
                                         jnp.bfloat16)
@@ -202,12 +202,28 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
     wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 131072, 131072, 128, 8, 4096),
                                        jnp.bfloat16, max_scratch_bytes=64 << 20)
     assert wide.row_quantum == 512 and wide.call_rows % 512 == 0
-    assert wide.call_rows // 128 * 32 >= estimate_plan.HOPPER_SMS
+    assert wide.call_rows // 128 * 32 >= estimate_plan.device_sms()
     assert wide.padded_rows >= wide.geom.q_blocks * wide.geom.block_rows
     with pytest.raises(ValueError, match="call_rows must be 0 or a positive multiple of 128"):
         estimate_plan.estimate_plan(long, jnp.bfloat16, call_rows=200)
     paired = estimate_plan.estimate_plan(long, jnp.bfloat16, pair_rows=True)
     assert not paired.paired(True)  # row steps walk one row tile per CTA
+
+
+def test_row_steps_and_auto_follow_the_device_sms(monkeypatch):
+    """On a Hopper of fewer SMs (an H100 PCIe: 114) a wave is 114 CTAs: causal 128K
+    within 80 MiB of statistics (568 rows of every head) runs row steps of 512 rows (128
+    CTAs), which 132 SMs refuse (a wave needs 640), and "auto" takes calls from 85 CTAs."""
+    long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
+    bound = 80 << 20
+    monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)  # an H200
+    assert "a wave of CTAs" in estimate_plan.unsupported_reason(long, jnp.bfloat16,
+                                                                max_scratch_bytes=bound)
+    assert estimate_plan.auto_min_ctas() == 99
+    monkeypatch.setattr(estimate_plan, "device_sms", lambda: 114)
+    plan = estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=bound)
+    assert plan.call_rows == 512 and plan.scratch_bytes <= bound
+    assert estimate_plan.auto_min_ctas() == 85
 
 
 @pytest.mark.parametrize("q_heads, q_len, k_len, groups", [

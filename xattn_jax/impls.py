@@ -12,8 +12,8 @@ and nowhere else.
   call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
   "mosaic" on Hopper, its block sums running the Triton kernel for the calls they do not
-  take and for calls of fewer CTAs than `mosaic.estimate_plan.AUTO_MIN_CTAS`, key
-  groups included (short calls on few heads, whose keys the Triton kernel splits among
+  take and for calls of fewer CTAs than `mosaic.estimate_plan.auto_min_ctas()` (3/4
+  of the SMs), key groups included (short calls on few heads, whose keys the Triton kernel splits among
   more programs; a chunk sharded over 2 GPUs reaches 128 CTAs in key groups and stays
   on Mosaic; otherwise the Mosaic block sums measured 1.05-1.19x faster than the Triton
   kernel on every timed case on the H200,
@@ -114,7 +114,7 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
                  page_size: int | None, max_scratch_bytes: int | None, *, auto: bool):
     """`(plan, None)` of the Mosaic block sums for this call, or `(None, reason)` saying
     why they cannot take it, or with `auto` (the choice "auto" makes) why the Triton
-    kernel runs it faster: fewer than `estimate_plan.AUTO_MIN_CTAS` CTAs."""
+    kernel runs it faster: fewer than `estimate_plan.auto_min_ctas()` CTAs."""
     from xattn_jax.mosaic import estimate_plan  # plain Python, no Mosaic GPU
 
     reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len, causal=causal,
@@ -125,8 +125,10 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
     plan = estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
                                        max_scratch_bytes=max_scratch_bytes)
     ctas = plan.ctas(causal)
-    if auto and ctas < estimate_plan.AUTO_MIN_CTAS:
-        return None, f"{ctas} CTAs, fewer than AUTO_MIN_CTAS = {estimate_plan.AUTO_MIN_CTAS}"
+    minimum = estimate_plan.auto_min_ctas()
+    if auto and ctas < minimum:
+        return None, (f"{ctas} CTAs, fewer than {minimum} (AUTO_MIN_FILL = "
+                      f"{estimate_plan.AUTO_MIN_FILL} of the GPU's SMs)")
     return plan, None
 
 

@@ -107,8 +107,8 @@ STAT_BYTES = 4  # float32 statistics
 # A larger call runs in row steps over all heads (`EstimatePlan.call_rows`), each within
 # it (a caller's max_scratch_bytes replaces it).
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
-# SMs of an H100 SXM / H200: the waves of a row step's CTAs (`_call_rows`); the
-# persistent grid where the device does not say its own (`device_sms`)
+# SMs of an H100 SXM / H200: the SM count where the default device does not say its own
+# (`device_sms`), which sizes row steps' waves, key groups and the persistent grid
 HOPPER_SMS = 132
 # A persistent grid (`EstimatePlan.persistent_ctas`): one CTA per SM walking the call's
 # work items (a row tile and a key tile each). Off: on the H200 it ran as fast as one
@@ -121,13 +121,13 @@ PERSISTENT = False
 # pass by a block's row tiles, whose queries (16 MiB at 128 rows x S 8 x D 128 in bf16)
 # stay in L2 meanwhile, as each key tile does while the CTAs share it
 ROW_BLOCK_TILES = 64
-# "auto" runs the Mosaic block sums on calls of at least this many CTAs per kernel call
-# (`EstimatePlan.ctas`, key groups included): fewer leave SMs idle, where the Triton
-# kernel splits the keys among more programs. H200: 128 CTAs (a 4096-query chunk over
-# 128K on 32 heads) ran 0.86-0.93 ms against Triton's 1.08 (session 12), 64 (its half
-# on 16 heads, without key groups) 0.85 against 0.54 (session 13): the break-even lies
-# near 3/4 of the SMs.
-AUTO_MIN_CTAS = HOPPER_SMS * 3 // 4
+# "auto" runs the Mosaic block sums on calls of at least this fraction of the SMs in CTAs
+# per kernel call (`auto_min_ctas`; `EstimatePlan.ctas`, key groups included): fewer
+# leave SMs idle, where the Triton kernel splits the keys among more programs. H200: 128
+# CTAs (a 4096-query chunk over 128K on 32 heads) ran 0.86-0.93 ms against Triton's 1.08
+# (session 12), 64 (its half on 16 heads, without key groups) 0.85 against 0.54 (session
+# 13): the break-even lies near 3/4 of the SMs.
+AUTO_MIN_FILL = 3 / 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,9 +328,15 @@ def work_items(plan: EstimatePlan, cols=None):
 
 def device_sms() -> int:
     """The SMs of the default device where it is a GPU that says (jax's `core_count`),
-    else HOPPER_SMS: the CTAs of a persistent grid."""
+    else HOPPER_SMS: one wave of CTAs (row steps, key groups, a persistent grid)."""
     device = jax.devices()[0]
     return (getattr(device, "core_count", 0) if device.platform == "gpu" else 0) or HOPPER_SMS
+
+
+def auto_min_ctas() -> int:
+    """The fewest CTAs per kernel call for which "auto" runs the Mosaic block sums:
+    AUTO_MIN_FILL of the SMs (`device_sms`; 99 on an H200)."""
+    return int(device_sms() * AUTO_MIN_FILL)
 
 
 def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
@@ -501,9 +507,9 @@ def _key_groups(plan: EstimatePlan) -> int:
 
 
 def _wave_rows(plan: EstimatePlan) -> int:
-    """The rows of the smallest row step holding a CTA per SM (HOPPER_SMS)."""
-    rows = plan.row_quantum
-    while plan.step_ctas(rows) < HOPPER_SMS:
+    """The rows of the smallest row step holding a CTA per SM (`device_sms`)."""
+    rows, sms = plan.row_quantum, device_sms()
+    while plan.step_ctas(rows) < sms:
         rows += plan.row_quantum
     return rows
 
@@ -520,9 +526,9 @@ def _default_block_k(queries: str, page_size: int | None, stride: int) -> int:
 def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     """The rows of every head one kernel call covers within `bound` bytes of
     statistics: 0 (all, one call) where they fit, else a multiple of `row_quantum` whose
-    row steps keep HOPPER_SMS SMs busy (at least one CTA each) and take the fewest waves
-    of CTAs in all (steps x waves per step: a step's CTAs see about as many key tiles
-    each, so a step lasts about its waves); of equals, the one computing the fewest rows
+    row steps keep every SM busy (`device_sms`, at least one CTA each) and take the
+    fewest waves of CTAs in all (steps x waves per step: a step's CTAs see about as many
+    key tiles each, so a step lasts about its waves); of equals, the one computing the fewest rows
     twice (the last step ends at the last query block, overlapping the one before), then
     the largest (fewer calls). None if no such step fits: steps of less than a wave ran
     slower than the Triton kernel's (causal 128K within 64 MiB: 20.3 against 18.0 ms on
@@ -530,15 +536,15 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     geom = plan.geom
     if plan.row_scratch_bytes * plan.row_tiles * plan.rows <= bound:
         return 0
-    quantum = plan.row_quantum
+    quantum, sms = plan.row_quantum, device_sms()
     extent = geom.q_blocks * geom.block_rows  # the rows the steps cover
 
     def waves(rows: int) -> int:
-        return cdiv(extent, rows) * cdiv(plan.step_ctas(rows), HOPPER_SMS)
+        return cdiv(extent, rows) * cdiv(plan.step_ctas(rows), sms)
 
     fit = min(bound // plan.row_scratch_bytes, cdiv(extent, quantum) * quantum)
     steps = [rows for rows in range(quantum, fit // quantum * quantum + 1, quantum)
-             if plan.step_ctas(rows) >= HOPPER_SMS]
+             if plan.step_ctas(rows) >= sms]
     if not steps:
         return None
     return min(steps, key=lambda rows: (waves(rows), cdiv(extent, rows) * rows, -rows))
