@@ -12,14 +12,14 @@ and nowhere else.
   call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
   "mosaic" on Hopper, its block sums running the Triton kernel for the calls they do not
-  take and for calls of fewer CTAs than `mosaic.estimate_plan.auto_min_ctas()` (3/4
-  of the SMs), key groups included (short calls on few heads, whose keys the Triton kernel splits among
-  more programs; a chunk sharded over 2 GPUs reaches 128 CTAs in key groups and stays
-  on Mosaic; otherwise the Mosaic block sums measured 1.05-1.19x faster than the Triton
-  kernel on every timed case on the H200,
-  `bench/results/mosaic_estimate_h200.md`), "triton" on other
-  GPUs, "reference" elsewhere; for attention "mosaic" where it can run and takes the
-  call's arguments (dtype, head dim, block size, page size), else "reference".
+  take and for calls of fewer CTAs than `mosaic.estimate_plan.auto_min_ctas()` (3/4 of
+  the SMs), key groups included (short calls on few heads, whose keys the Triton kernel
+  splits among more programs; a chunk sharded over 2 GPUs reaches 128 CTAs in key groups
+  and stays on Mosaic; otherwise the Mosaic block sums measured 1.05-1.19x faster than
+  the Triton kernel on every timed case on the H200,
+  `bench/results/mosaic_estimate_h200.md`), "triton" on other GPUs, "reference"
+  elsewhere; for attention "mosaic" where it can run and takes the call's arguments
+  (dtype, head dim, block size, page size), else "reference".
 
 The device is that of the first concrete `jax.Array` among the inputs; inside a trace
 (a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend

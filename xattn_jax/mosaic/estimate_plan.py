@@ -400,18 +400,18 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
 
     block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
     stages, cluster (in CLUSTERS), queries (in QUERY_LAYOUTS), stagger (the staggered
-    consumers, streamed queries only), pair_rows (two row tiles per CTA in causal
-    calls, streamed queries only), call_rows (the rows of a row step, a multiple of
+    consumers, streamed queries only), pair_rows (two row tiles per CTA in causal calls,
+    streamed queries only), call_rows (the rows of a row step, a multiple of
     `EstimatePlan.row_quantum`, or 0 for one call) and key_groups (CTAs per row tile, at
-    most the key tiles; cluster 1, no pair_rows) and
-    persistent (a persistent grid of one CTA per SM, `device_sms`, at most one per work
-    item: streamed queries, cluster 1, key_groups 1, no pair_rows) override the
-    defaults (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the
-    largest multiple of 64 up to it that divides a page's columns), STAGGER with the
-    streamed queries, PAIR_ROWS, the most stages that fit in shared memory, at most
-    MAX_STAGES, `_call_rows`, `_key_groups` and PERSISTENT where the rest allows it.
-    leave_out: a timing variant (LEAVE_OUT). Raises ValueError for arguments the kernel
-    does not take (`unsupported_reason`) and overrides that do not fit."""
+    most the key tiles; cluster 1, no pair_rows) and persistent (a persistent grid of
+    one CTA per SM, `device_sms`, at most one per work item: streamed queries, cluster
+    1, key_groups 1, no pair_rows) override the defaults (tuning runs, tests): QUERIES,
+    BLOCK_K of the layout (with a paged k, the largest multiple of 64 up to it that
+    divides a page's columns), STAGGER with the streamed queries, PAIR_ROWS, the most
+    stages that fit in shared memory, at most MAX_STAGES, `_call_rows`, `_key_groups`
+    and PERSISTENT where the rest allows it. leave_out: a timing variant (LEAVE_OUT).
+    Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
+    overrides that do not fit."""
     queries = QUERIES if queries is None else queries
     if stagger is None:
         stagger = default_stagger(queries)
@@ -525,14 +525,15 @@ def _default_block_k(queries: str, page_size: int | None, stride: int) -> int:
 
 def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     """The rows of every head one kernel call covers within `bound` bytes of
-    statistics: 0 (all, one call) where they fit, else a multiple of `row_quantum` whose
-    row steps keep every SM busy (`device_sms`, at least one CTA each) and take the
-    fewest waves of CTAs in all (steps x waves per step: a step's CTAs see about as many
-    key tiles each, so a step lasts about its waves); of equals, the one computing the fewest rows
-    twice (the last step ends at the last query block, overlapping the one before), then
-    the largest (fewer calls). None if no such step fits: steps of less than a wave ran
-    slower than the Triton kernel's (causal 128K within 64 MiB: 20.3 against 18.0 ms on
-    the H200, mosaic_estimate_h200.md, session 12), which "auto" then runs."""
+    statistics: 0 (all, one call) where they fit, else a multiple of `row_quantum`
+    whose row steps keep every SM busy (`device_sms`, at least one CTA each) and take
+    the fewest waves of CTAs in all (steps x waves per step: a step's CTAs see about as
+    many key tiles each, so a step lasts about its waves); of equals, the one computing
+    the fewest rows twice (the last step ends at the last query block, overlapping the
+    one before), then the largest (fewer calls). None if no such step fits: steps of
+    less than a wave ran slower than the Triton kernel's (causal 128K within 64 MiB:
+    20.3 against 18.0 ms on the H200, mosaic_estimate_h200.md, session 12), which
+    "auto" then runs."""
     geom = plan.geom
     if plan.row_scratch_bytes * plan.row_tiles * plan.rows <= bound:
         return 0
