@@ -124,11 +124,11 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
         return None, f"{reason}; impl='triton' or 'auto' take this call"
     plan = estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
                                        max_scratch_bytes=max_scratch_bytes)
-    ctas = plan.ctas(causal)
-    minimum = estimate_plan.auto_min_ctas()
-    if auto and ctas < minimum:
-        return None, (f"{ctas} CTAs, fewer than {minimum} (AUTO_MIN_FILL = "
-                      f"{estimate_plan.AUTO_MIN_FILL} of the GPU's SMs)")
+    if auto:
+        ctas, minimum = plan.ctas(causal), estimate_plan.auto_min_ctas()
+        if ctas < minimum:
+            return None, (f"{ctas} CTAs, fewer than {minimum} (AUTO_MIN_FILL = "
+                          f"{estimate_plan.AUTO_MIN_FILL} of the GPU's SMs)")
     return plan, None
 
 
