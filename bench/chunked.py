@@ -7,7 +7,8 @@ Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV 
 4096, estimate blocks 1024, threshold 0.95):
 - `chunk4096-ctx{N}`: `kv_block_scores` + `select_kv_blocks` in one jitted call on a
   contiguous cache, device time per call (`bench.common.time_ms`), against the floor
-  (strided-product FLOPs at 753 TFLOP/s);
+  (strided-product FLOPs at 753 TFLOP/s) and the floor at the rate of the 8192^3 matmul
+  timed just before (`bench.common.matmul_tflops`, the same run's ceiling);
 - with `--compare-original PATH`: the original kernels on the same inputs, K repeated to
   Hq as the seed's engine does, block sums at 4096 directly (`impl` "original", the
   seed's baseline) and at 1024 summed up to 4096 (case suffix `-hier1024`).
@@ -29,8 +30,9 @@ import xattn_torch_bridge  # noqa: F401  first: configures JAX's GPU memory
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import (Sizes, floor_ms, jax_extra_mib, log, print_report,  # noqa: E402
-                          record, strided_flops, time_ms, write_json)
+from bench.common import (Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
+                          matmul_tflops, print_report, record, strided_flops, time_ms,
+                          write_json)
 from bench.estimate import impl_label  # noqa: E402
 from xattn_jax import kv_block_scores, select_kv_blocks  # noqa: E402
 
@@ -59,6 +61,7 @@ def kernel_rows(name: str, context: int, sz: Sizes, impls=("auto",)) -> list[dic
     q, k = inputs(context, sz)
     args = (q, k, jnp.int32(context))
     floor = floor_of(context, sz)
+    ceiling = matmul_tflops()
     rows = []
     for impl in impls:
         @jax.jit
@@ -72,13 +75,13 @@ def kernel_rows(name: str, context: int, sz: Sizes, impls=("auto",)) -> list[dic
         label = impl_label(impl)
         log(f"chunk{sz.chunk}-ctx{name}, {label}: {ms:.3f} ms, {ms / floor:.2f} x floor")
         rows.append(record(f"chunk{sz.chunk}-ctx{name}", label, ms, floor,
-                           jax_extra_mib(fn, *args)))
+                           jax_extra_mib(fn, *args), ceiling))
     return rows
 
 
 def _original_rows(name: str, context: int, sz: Sizes, original) -> list[dict]:
     q, k = inputs(context, sz)
-    case, rows = f"chunk{sz.chunk}-ctx{name}", []
+    case, rows, ceiling = f"chunk{sz.chunk}-ctx{name}", [], matmul_tflops()
     for block, label in ((sz.kv_block, case),
                          (sz.estimate_block, f"{case}-hier{sz.estimate_block}")):
         try:
@@ -88,7 +91,7 @@ def _original_rows(name: str, context: int, sz: Sizes, original) -> list[dict]:
         except original.Unsupported as why:
             log(f"{label}: original skipped ({why})")
             continue
-        rows.append(record(label, "original", ms, floor_of(context, sz), mib))
+        rows.append(record(label, "original", ms, floor_of(context, sz), mib, ceiling))
         log(f"{label}: original {ms:.3f} ms")
     return rows
 

@@ -1,7 +1,11 @@
 """Shared pieces of the benchmarks: timing, floors, memory, records and tables.
 
 Floors use the ceilings measured on our H200 (session 1, 2026-11-29): the bf16 XLA
-matmul at 753 TFLOP/s and a device-to-device copy at 4.25 TB/s.
+matmul at 753 TFLOP/s and a device-to-device copy at 4.25 TB/s. Those are short runs:
+under back-to-back load the H200 holds its power cap (~692 W, 1.50-1.58 GHz) and the same
+matmul gives ~683 TFLOP/s (session 14, `results/mosaic_estimate_h200.md`), so the
+estimate's benchmarks also time that matmul beside each case (`matmul_tflops`) and give
+each row's ratio to the floor at that same-run rate.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import time
 
 MATMUL_FLOPS = 753e12  # bf16, XLA 8192^3 on the H200
+MATMUL_SIDE = 8192  # the square matmul behind MATMUL_FLOPS
 COPY_BYTES = 4.25e12  # bytes read + written per second on the H200
 
 
@@ -87,6 +92,22 @@ def time_ms(fn, inputs: list, warmup: int = 3, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def matmul_tflops() -> float | None:
+    """TFLOP/s of the bf16 XLA MATMUL_SIDE^3 matmul now, on random data, timed as the
+    cases are (`time_ms`, back to back): the same-run ceiling beside MATMUL_FLOPS. None
+    off a GPU (a smoke run, whose floors mean nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        return None
+    ka, kb = jax.random.split(jax.random.PRNGKey(MATMUL_SIDE))
+    a, b = (jax.random.normal(key, (MATMUL_SIDE,) * 2, jnp.float32).astype(jnp.bfloat16)
+            for key in (ka, kb))
+    ms = time_ms(jax.jit(jnp.matmul), [(a, b)])
+    return 2.0 * MATMUL_SIDE**3 / ms / 1e9
+
+
 def latency_ms(fn, inputs: list, reps: int = 20) -> float:
     """Median wall time in ms from launching one call to having waited for its result."""
     import jax
@@ -129,22 +150,36 @@ def today() -> str:
     return datetime.date.today().isoformat()
 
 
-def record(case: str, impl: str, ms: float, floor: float, extra_mib: float) -> dict:
-    return {"case": case, "impl": impl, "gpu": gpu_name(), "ms": round(ms, 4),
-            "floor_ms": round(floor, 4), "extra_mib": round(extra_mib, 1),
-            "date": today(), "versions": versions()}
+def record(case: str, impl: str, ms: float, floor: float, extra_mib: float,
+           matmul_tflops: float | None = None) -> dict:
+    """One row of results. matmul_tflops: the same-run ceiling (`matmul_tflops`), kept
+    with the floor at that rate (`same_run_floor_ms`) where given."""
+    row = {"case": case, "impl": impl, "gpu": gpu_name(), "ms": round(ms, 4),
+           "floor_ms": round(floor, 4), "extra_mib": round(extra_mib, 1),
+           "date": today(), "versions": versions()}
+    if matmul_tflops is not None:
+        row["matmul_tflops"] = round(matmul_tflops, 1)
+        row["same_run_floor_ms"] = round(floor * MATMUL_FLOPS / (matmul_tflops * 1e12), 4)
+    return row
 
 
 def print_report(records: list[dict]) -> None:
-    """The run's GPU, versions and date, then its records as a markdown table."""
+    """The run's GPU, versions and date, then its records as a markdown table (with the
+    same-run ceiling's columns where the records hold it)."""
     first = records[0]
     print(f"\nGPU: {first['gpu']}; {first['versions']}; {first['date']}\n")
-    lines = ["| case | impl | ms | floor ms | time / floor | extra MiB |",
-             "|---|---|---|---|---|---|"]
+    same_run = any("same_run_floor_ms" in r for r in records)
+    extra = " same-run matmul TFLOP/s | time / same-run floor |" if same_run else ""
+    lines = ["| case | impl | ms | floor ms | time / floor | extra MiB |" + extra,
+             "|---|---|---|---|---|---|" + "---|---|" * same_run]
     for r in records:
         ratio = r["ms"] / r["floor_ms"] if r["floor_ms"] else float("nan")
-        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{ratio:.2f} | {r['extra_mib']:.1f} |")
+        line = (f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                f"{ratio:.2f} | {r['extra_mib']:.1f} |")
+        if same_run:
+            line += (f" {r['matmul_tflops']:.0f} | {r['ms'] / r['same_run_floor_ms']:.2f} |"
+                     if "same_run_floor_ms" in r else " | |")
+        lines.append(line)
     print("\n".join(lines))
 
 

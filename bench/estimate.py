@@ -6,7 +6,9 @@
 bf16, Hq = 32, D = 128, stride 8, random data. Every row reports the median device time
 per call (`bench.common.time_ms`: back-to-back calls; the original: CUDA events), the
 floor (strided-product FLOPs at the measured 753 TFLOP/s), their ratio and the extra GPU
-memory of one call (outputs plus XLA temporaries, beyond the inputs). With
+memory of one call (outputs plus XLA temporaries, beyond the inputs), and the ratio to
+the floor at the rate of the 8192^3 matmul timed the same way just before the case
+(`bench.common.matmul_tflops`: the same run's ceiling, under the same power cap). With
 `--compare-original PATH`, the original mit-han-lab/x-attention estimate from a checkout
 at PATH is timed on the same inputs in the same run (see bench/original.py). `--impls`:
 the implementations timed on each case, one after the other (default "auto", what a
@@ -27,8 +29,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax.numpy as jnp  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
-from bench.common import (floor_ms, jax_extra_mib, log, print_report, record,  # noqa: E402
-                          time_ms, write_json)
+from bench.common import (floor_ms, jax_extra_mib, log, matmul_tflops,  # noqa: E402
+                          print_report, record, time_ms, write_json)
 from xattn_jax import xattn_estimate  # noqa: E402
 
 PAIRED_ROUNDS = 3  # GQA and its MHA twin alternate this often (run-to-run drift is ~5%)
@@ -56,6 +58,9 @@ def run_case(name: str, impls=("auto",), original=None,
     reps, heads = _reps(shape), shape.q_heads
     q, k = shape.random_qk(len(name))
     floor = floor_ms(shape.strided_flops())
+    ceiling = matmul_tflops()
+    if ceiling is not None:
+        log(f"{name}: the 8192^3 matmul now runs at {ceiling:.0f} TFLOP/s")
     rows, notes = [], []
     for impl in impls:
         def fn(q, k):
@@ -83,7 +88,7 @@ def run_case(name: str, impls=("auto",), original=None,
             del k_mha
         else:
             ms = time_ms(fn, [(q, k)], warmup=2, reps=reps)
-        rows.append(record(case, label, ms, floor, jax_extra_mib(fn, q, k)))
+        rows.append(record(case, label, ms, floor, jax_extra_mib(fn, q, k), ceiling))
         log(f"{case}, {label}: {ms:.3f} ms, {ms / floor:.2f} x floor, "
             f"{rows[-1]['extra_mib']:.0f} MiB")
     if original is not None:
@@ -94,7 +99,7 @@ def run_case(name: str, impls=("auto",), original=None,
         except original.Unsupported as why:
             log(f"{name}: original skipped ({why})")
         else:
-            rows.append(record(name, "original", orig_ms, floor, orig_mib))
+            rows.append(record(name, "original", orig_ms, floor, orig_mib, ceiling))
             log(f"{name}: original {orig_ms:.3f} ms, {orig_mib:.0f} MiB")
     del q, k
     return rows, notes

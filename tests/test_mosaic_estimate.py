@@ -13,6 +13,7 @@ kernel.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import re
 
 import jax
@@ -242,6 +243,60 @@ def test_default_key_groups_fill_the_waves(q_heads, q_len, k_len, groups):
     assert plan.ctas(False) == q_heads * q_len // 8 // plan.rows * groups
     long = Geometry(1, 32, 32, 131072, 131072, 128, 8, 128)
     assert estimate_plan.estimate_plan(long, jnp.bfloat16).key_groups == 1
+
+
+def _launch_order(plan, causal):
+    """The key tiles each CTA walks, in launch order (the grid's last axis fastest, as
+    `tile_stats._grid` lays it out): one list per call of the whole call."""
+    pairs, rows = plan.geom.batch * plan.geom.q_heads, plan.grid_rows(causal)
+    group = plan.launch_group(causal)
+    tiles = [int(estimate_plan.visible_tiles(plan, causal, (rows - 1 - r) * plan.rows))
+             for r in range(rows)]  # row group r walks the row tile R - 1 - r
+    return [tiles[r] for _ in range(pairs // group) for r in range(rows) for _ in range(group)]
+
+
+def _idle_share(work, sms):
+    """The SMs' idle share when each CTA in turn takes the SM that frees first."""
+    free = [0] * sms
+    for tiles in work:
+        heapq.heapreplace(free, free[0] + tiles)
+    return 1 - sum(work) / sms / max(free)
+
+
+@pytest.mark.parametrize("q_len, kv_heads, group, idle", [
+    (16384, 8, 16, 0.04), (32768, 8, 8, 0.02), (65536, 8, 4, 0.01),  # a wave of CTAs
+    (16384, 32, 4, 0.17), (32768, 32, 2, 0.10),  # the key heads in LAUNCH_KEY_BYTES
+    (65536, 32, 1, 0.06), (131072, 8, 4, 0.01)])  # one key head (more than the bound)
+def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, group, idle):
+    """Causal calls launch the row tiles of the fewest (batch, head) pairs whose CTAs fill
+    a wave interleaved, longest first, unless their key heads' keys exceed
+    LAUNCH_KEY_BYTES (then as many key heads' pairs as it holds, at least one's): on 132
+    SMs less idle time than one pair's row tiles after another (5.5-21% at 16K-64K);
+    non-causal calls, clusters and paired row tiles keep one pair at a time; head_group
+    overrides the rule and is checked."""
+    monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)
+    geom = Geometry(1, 32, kv_heads, q_len, q_len, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    assert plan.launch_group(True) == group and plan.launch_group(False) == 1
+    head_keys = q_len * 128 * 2  # bf16 keys of one key head
+    assert group == geom.group or group // geom.group * head_keys <= (
+        estimate_plan.LAUNCH_KEY_BYTES)
+    idle_share = _idle_share(_launch_order(plan, True), 132)
+    assert idle_share <= idle
+    if not plan.call_rows:  # (the model walks one call from row 0)
+        one_at_a_time = estimate_plan.estimate_plan(geom, jnp.bfloat16, head_group=1)
+        assert _idle_share(_launch_order(one_at_a_time, True), 132) >= max(idle_share,
+                                                                          0.05)
+    clustered = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="resident", cluster=2)
+    assert clustered.launch_group(True) == 1
+    paired = estimate_plan.estimate_plan(geom, jnp.bfloat16, pair_rows=True)
+    assert paired.launch_group(True) == (1 if paired.paired(True) else group)  # row steps
+    assert estimate_plan.estimate_plan(geom, jnp.bfloat16, head_group=2).launch_group(True) == 2
+    for options in ({"head_group": 3}, {"head_group": 0},
+                    {"head_group": 2, "queries": "resident", "cluster": 2},
+                    {"head_group": 2, "persistent": True}):
+        with pytest.raises(ValueError, match="head_group must divide B x Hq = 32"):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
 
 
 def test_persistent_plan_and_refusals():
@@ -512,6 +567,8 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # sees in both of its row tiles; R = 4 with Lq < Lk, unstaggered, the second row tile
 # starting mid-ring (step 4 of a ring of 3); an odd R with Lq < Lk, D 128 and a ring of
 # 2 slots; a non-causal call, which ignores the flag (R = 3, one row tile per CTA).
+# Launch groups (causal): 2 of the 4 (batch, head) pairs interleaved; 1 (each pair in
+# turn; the small calls above take all their pairs by the rule).
 # Key groups (CTAs per row tile, each a span of its key tiles): 2 spans of one tile;
 # 3 spans of 2 of 5 tiles, causal and staggered, the first row tile's third CTA walking
 # none; the resident queries, their consumers taking turns from the span's first tile.
@@ -562,6 +619,10 @@ INTERPRET_CASES = [
      {"block_k": 64, "queries": "streamed", "key_groups": 3}),
     (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0,
      {"block_k": 128, "queries": "resident", "key_groups": 2}),
+    (2, 2, 1, 300, 556, 64, 2, 64, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "head_group": 2}),
+    (2, 2, 1, 300, 556, 64, 2, 64, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "head_group": 1}),
 ]
 
 
@@ -718,7 +779,8 @@ def test_timing_variant_without_products_reads_zero_scores(rand, queries):
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options; {}: the
 # default plan, streamed queries at block_k 256 with staggered consumers; pair_rows: R =
 # 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it; clusters of the
-# streamed queries: 2, causal; 4, two of its CTAs padding rows)
+# streamed queries: 2, causal; 4, two of its CTAs padding rows; launch groups of 4 of 16
+# (batch, head) pairs, and of 1)
 GPU_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident"}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "resident"}),
@@ -743,6 +805,8 @@ GPU_CASES = [
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"pair_rows": True}),
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"cluster": 2}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 4, "block_k": 128}),
+    (2, 8, 2, 2000, 3024, 128, 8, 128, True, {"head_group": 4}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"head_group": 1}),
 ]
 
 

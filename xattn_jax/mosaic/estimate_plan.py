@@ -41,7 +41,8 @@ or the caller's bound) and on which grid: one CTA per row tile, or per row tile 
 key group (`key_groups`, each a span of the key tiles, where the row tiles alone leave
 SMs idle: `_key_groups`), or a persistent grid of one CTA per SM that walks work items
 of one row tile and one key tile each (`persistent_ctas`, `work_items`; off by default,
-PERSISTENT).
+PERSISTENT), and in which order the CTAs launch (`launch_group`: in causal calls, the
+row tiles of a few heads interleaved, longest first).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -117,6 +118,23 @@ HOPPER_SMS = 132
 # 0.432; causal 1M 1046 / 1074 ms), and slower than key groups on half a chunk (0.238
 # / 0.219 ms at 64K; mosaic_estimate_h200.md, session 13)
 PERSISTENT = False
+# The launch order of a causal call's CTAs (`EstimatePlan.launch_group`). Mosaic GPU makes
+# the grid's last axis CUDA's x, the first launched. One (batch, head) pair's row tiles
+# at a time, longest first, starts the last pairs' long row tiles in the call's last
+# wave. H200, causal 32K: the SMs were active 87% of the time (ncu, session 14); list
+# scheduling of the row tiles' key tiles on 132 SMs gives 11.5% idle at 32K and 5.1% at
+# 64K that way, 1.6% / 0.1% in groups of 8 / 4 pairs (a wave each). A group holds this
+# many waves of CTAs:
+LAUNCH_GROUP_WAVES = 1
+# ... and at most the pairs of the key heads whose keys (all of a CTA's key tiles) fit in
+# this, at least one key head's. H200 (session 15, kernel alone, medians of 3
+# alternating rounds, against one pair at a time): with Hkv 8, groups of 4-16 pairs (1-4
+# key heads, 8-32 MiB of keys) ran causal 32K 21-22% faster, 64K 6-8% (2-8 pairs); with
+# Hkv 32, causal 16K 7-9% faster in groups of 4-16, 32K 7% in pairs of 2 (16 MiB) and 3%
+# in groups of 8, and causal 64K / 128K 9% / 23% slower in groups of 16 / 8 (256 MiB):
+# every head's keys then pass through L2.
+LAUNCH_KEY_BYTES = 24 << 20
+OPERAND_BYTES = 2  # q and k hold bfloat16 or float16 (SUPPORTED_DTYPES)
 # Row tiles per block of the persistent grid's item order (`work_items`): the key tiles
 # pass by a block's row tiles, whose queries (16 MiB at 128 rows x S 8 x D 128 in bf16)
 # stay in L2 meanwhile, as each key tile does while the CTAs share it
@@ -150,7 +168,9 @@ class EstimatePlan(UnitSums):
     span of `key_span` of its key tiles (more CTAs for a short call on few heads);
     persistent_ctas: 0 (a CTA per row tile and key group), or the CTAs of a persistent
     grid (streamed queries, cluster 1, key_groups 1, no pair_rows) that walk the call's
-    work items in turns (`work_items`).
+    work items in turns (`work_items`); head_group: 0 for the rule of `launch_group`, or
+    the (batch, query head) pairs whose CTAs launch interleaved (a divisor of B x Hq;
+    cluster 1, no persistent grid).
     """
 
     geom: Geometry
@@ -166,6 +186,7 @@ class EstimatePlan(UnitSums):
     page_size: int | None = None
     key_groups: int = 1
     persistent_ctas: int = 0
+    head_group: int = 0
 
     @property
     def rows(self) -> int:
@@ -203,6 +224,27 @@ class EstimatePlan(UnitSums):
         if self.paired(causal):
             return cdiv(self.row_tiles, 2)
         return self.call_row_tiles // self.cluster
+
+    def launch_group(self, causal: bool) -> int:
+        """The (batch, query head) pairs whose CTAs the grid launches interleaved, row
+        group by row group, the longest first (`tile_stats`: a group's pairs, then the
+        next group's): `head_group` where given; else in a causal call (unpaired,
+        cluster 1, no persistent grid) the fewest pairs dividing B x Hq whose CTAs fill
+        LAUNCH_GROUP_WAVES waves (`device_sms`), so that the long row tiles start early,
+        but no more than the pairs of the key heads whose keys LAUNCH_KEY_BYTES holds
+        (one at least), so that a wave's keys stay in L2; else 1, each pair's row groups
+        in turn."""
+        if self.head_group:
+            return self.head_group
+        if not causal or self.paired(causal) or self.cluster > 1 or self.persistent_ctas:
+            return 1
+        geom = self.geom
+        head_keys = self.padded_cols * geom.stride * geom.head_dim * OPERAND_BYTES
+        most = max(1, LAUNCH_KEY_BYTES // head_keys) * geom.group
+        pairs = geom.batch * geom.q_heads
+        groups = [g for g in range(1, min(most, pairs) + 1) if pairs % g == 0]
+        wave, rows = LAUNCH_GROUP_WAVES * device_sms(), self.grid_rows(causal)
+        return next((g for g in groups if g * rows >= wave), groups[-1])
 
     def grid_rows(self, causal: bool) -> int:
         """The kernel grid's row axis: `row_groups`, each in `key_groups` CTAs."""
@@ -393,7 +435,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   stagger: bool | None = None, pair_rows: bool | None = None,
                   page_size: int | None = None, max_scratch_bytes: int | None = None,
                   call_rows: int | None = None, key_groups: int | None = None,
-                  persistent: bool | None = None) -> EstimatePlan:
+                  persistent: bool | None = None,
+                  head_group: int | None = None) -> EstimatePlan:
     """The plan of one call. page_size: the tokens per page of a paged k (None:
     contiguous); max_scratch_bytes: the statistics one kernel call may hold (default
     MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
@@ -405,11 +448,13 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     `EstimatePlan.row_quantum`, or 0 for one call) and key_groups (CTAs per row tile, at
     most the key tiles; cluster 1, no pair_rows) and persistent (a persistent grid of
     one CTA per SM, `device_sms`, at most one per work item: streamed queries, cluster
-    1, key_groups 1, no pair_rows) override the defaults (tuning runs, tests): QUERIES,
-    BLOCK_K of the layout (with a paged k, the largest multiple of 64 up to it that
-    divides a page's columns), STAGGER with the streamed queries, PAIR_ROWS, the most
-    stages that fit in shared memory, at most MAX_STAGES, `_call_rows`, `_key_groups`
-    and PERSISTENT where the rest allows it. leave_out: a timing variant (LEAVE_OUT).
+    1, key_groups 1, no pair_rows) and head_group (the (batch, head) pairs launched
+    interleaved, dividing B x Hq; cluster 1, no persistent grid) override the defaults
+    (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
+    multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
+    queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
+    `_call_rows`, `_key_groups`, PERSISTENT where the rest allows it, and the rule of
+    `EstimatePlan.launch_group`. leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
     queries = QUERIES if queries is None else queries
@@ -460,9 +505,16 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         raise ValueError(f"persistent needs queries='streamed', cluster 1, key_groups 1 and "
                          f"no pair_rows; got queries={queries!r}, cluster={cluster}, "
                          f"key_groups={key_groups}, pair_rows={pair_rows}")
+    pairs = geom.batch * geom.q_heads
+    if head_group is not None and (head_group < 1 or pairs % head_group or (
+            head_group > 1 and (cluster > 1 or persistent))):
+        raise ValueError(f"head_group must divide B x Hq = {pairs}, and be 1 with a cluster "
+                         f"or a persistent grid (their grids' own order); got {head_group} "
+                         f"with cluster {cluster}, persistent {bool(persistent)}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
                         bool(stagger), bool(pair_rows), page_size=page_size,
-                        key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)))
+                        key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
+                        head_group=head_group or 0)
     if plan.key_groups > plan.key_tiles:
         raise ValueError(f"key_groups must be at most the {plan.key_tiles} key tiles; got "
                          f"{key_groups}")

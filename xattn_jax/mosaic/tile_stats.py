@@ -41,7 +41,9 @@ row tile's chunks, then the second's, and the consumers compute their rows of ea
 first row, masked tiles, stores per row tile as above); the CTA's step count goes on
 across the two, so the ring's slots and barrier phases simply continue (no barrier is
 initialized twice), and the stagger barrier is arrived on once, in the CTA's first key
-tile. Unpaired, the grid runs the row tiles that see the most key tiles first.
+tile. Unpaired, each (batch, head) pair runs the row tiles that see the most key tiles
+first; in causal calls the grid interleaves them across a launch group of pairs
+(`EstimatePlan.launch_group`), so that every pair's long row tiles start early.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
 wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
@@ -115,6 +117,33 @@ from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_
 
 CLUSTER_AXIS = "cluster"
 PERSISTENT_AXIS = "ctas"
+PAIR_AXIS = "pairs"  # (batch, query head) pairs: batch x Hq + head
+GROUP_AXIS = "pair_groups"  # launch groups of pairs (`EstimatePlan.launch_group`)
+ROW_AXIS = "row_groups"
+
+
+def _grid(plan: EstimatePlan, causal: bool) -> dict[str, int]:
+    """The kernel's grid, by axis name. Mosaic GPU launches its last axis fastest (CUDA's
+    x): a persistent grid; or each (batch, head) pair's row groups in turn (launch group
+    1; a cluster's CTAs are consecutive row tiles); or per launch group of G pairs, the
+    row groups interleaved across its pairs (`EstimatePlan.launch_group`)."""
+    if plan.persistent_ctas:
+        return {PERSISTENT_AXIS: plan.persistent_ctas}
+    pairs, rows = plan.geom.batch * plan.geom.q_heads, plan.grid_rows(causal)
+    group = plan.launch_group(causal)
+    if group == 1:
+        return {PAIR_AXIS: pairs, ROW_AXIS: rows}
+    return {GROUP_AXIS: pairs // group, ROW_AXIS: rows, PAIR_AXIS: group}
+
+
+def _batch_and_head(plan: EstimatePlan, causal: bool):
+    """This CTA's batch element and query head on the grid of `_grid` (not persistent)."""
+    pair = lax.axis_index(PAIR_AXIS)
+    group = plan.launch_group(causal)
+    if group > 1:
+        pair = lax.axis_index(GROUP_AXIS) * group + pair
+    q_heads = jnp.int32(plan.geom.q_heads)
+    return lax.div(pair, q_heads), lax.rem(pair, q_heads)
 
 
 def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols):
@@ -127,15 +156,15 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols):
     - Persistent (`plan.persistent_ctas` = G): the call's work items (`work_items`) c,
       c + G, c + 2G, ... for CTA c, each one key tile (n = 1) or none (n = 0: a tile no
       row of the row tile sees, or a row tile past the call's).
-    - Else one unit per row tile on the grid (batch, head, row group), or two with
-      paired row tiles (`estimate_plan.paired_row_tiles`). Unpaired, the clusters run
-      long row tiles first, and the CTAs of a cluster walk the key tiles its last row
-      tile sees; with `plan.key_groups` = G, the G CTAs of a row tile walk consecutive
-      spans of `plan.key_span` of them."""
+    - Else one unit per row tile on the grid (`_grid`: (batch, head) pairs and row
+      groups), or two with paired row tiles (`estimate_plan.paired_row_tiles`).
+      Unpaired, the clusters run long row tiles first, and the CTAs of a cluster walk
+      the key tiles its last row tile sees; with `plan.key_groups` = G, the G CTAs of a
+      row tile walk consecutive spans of `plan.key_span` of them."""
     if plan.persistent_ctas:
         return functools.partial(_walk_items, plan, causal, first_row, cols)
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    index = lax.axis_index("row_groups")
+    batch, head = _batch_and_head(plan, causal)
+    index = lax.axis_index(ROW_AXIS)
     if plan.paired(causal):  # one kernel call, one key group: first_row = 0
         pair = paired_row_tiles(plan, index)
 
@@ -464,8 +493,7 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None, scalars: jax
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
                              keys_in_use=keys_in_use)
     operands = (q, k) + ((table,) if plan.page_size else ()) + (scalars,)
-    grid = ({PERSISTENT_AXIS: plan.persistent_ctas} if plan.persistent_ctas else
-            {"heads": geom.q_heads, "batch": geom.batch, "row_groups": plan.grid_rows(causal)})
+    grid = _grid(plan, causal)
     return plgpu.kernel(
         body,
         out_type=out_type,
