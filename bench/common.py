@@ -66,30 +66,39 @@ def floor_ms(flops: float, nbytes: float = 0.0) -> float:
     return 1e3 * max(flops / MATMUL_FLOPS, nbytes / COPY_BYTES)
 
 
-BATCH_MS = 5.0  # a timed batch of back-to-back calls lasts about this long
+# A timed batch of back-to-back calls lasts about this long. Each batch is charged one
+# launch and one wait. Session 15 (H200, the 4096-query chunk over 64K: 0.83 ms from
+# launch to result, 0.2 ms of it the host's launch) measured 0.479-0.505 ms per call
+# with batches of 5 ms sized by that latency, and 0.417-0.449 in loops of 50 calls. So a
+# batch is sized by the back-to-back rate of a first batch and lasts 20 ms.
+BATCH_MS = 20.0
+MAX_BATCH = 100  # calls per batch, at most
 
 
 def time_ms(fn, inputs: list, warmup: int = 3, reps: int = 20) -> float:
     """Median device time in ms of one call fn(*inputs[i % len(inputs)]).
 
     Each of the `reps` measurements launches a batch of back-to-back calls (as many as
-    take about BATCH_MS) and waits for the last one, so the host's launch and wait
-    latency, tens of microseconds, is not charged to every call: this is the time a
-    serving loop that does not wait after each call sees, comparable with the CUDA
-    events `bench.original` times the original with. Rotating among several input sets
-    keeps them out of L2 when each is small. `latency_ms` is the other measure.
+    take about BATCH_MS at the rate of a first, shorter batch) and waits for the last
+    one, so the host's launch and wait latency, 0.05-0.4 ms, is charged once per batch:
+    this is the time a serving loop that does not wait after each call sees, comparable
+    with the CUDA events `bench.original` times the original with. Rotating among
+    several input sets keeps them out of L2 when each is small. `latency_ms` is the
+    other measure.
     """
     import jax
 
     for i in range(warmup):
         jax.block_until_ready(fn(*inputs[i % len(inputs)]))
-    batch = max(1, min(100, round(BATCH_MS / latency_ms(fn, inputs, reps=3))))
-    times = []
-    for r in range(reps):
+
+    def batch_ms(r: int, calls: int) -> float:
         start = time.perf_counter()
-        jax.block_until_ready([fn(*inputs[(r + i) % len(inputs)]) for i in range(batch)])
-        times.append(1e3 * (time.perf_counter() - start) / batch)
-    return statistics.median(times)
+        jax.block_until_ready([fn(*inputs[(r + i) % len(inputs)]) for i in range(calls)])
+        return 1e3 * (time.perf_counter() - start) / calls
+
+    first = max(1, min(MAX_BATCH, round(BATCH_MS / latency_ms(fn, inputs, reps=3))))
+    batch = max(1, min(MAX_BATCH, round(BATCH_MS / batch_ms(0, first))))
+    return statistics.median(batch_ms(r, batch) for r in range(reps))
 
 
 def matmul_tflops() -> float | None:
