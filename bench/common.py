@@ -80,11 +80,11 @@ def time_ms(fn, inputs: list, warmup: int = 3, reps: int = 20) -> float:
 
     Each of the `reps` measurements launches a batch of back-to-back calls (as many as
     take about BATCH_MS at the rate of a first, shorter batch) and waits for the last
-    one, so the host's launch and wait latency, 0.05-0.4 ms, is charged once per batch:
-    this is the time a serving loop that does not wait after each call sees, comparable
-    with the CUDA events `bench.original` times the original with. Rotating among
-    several input sets keeps them out of L2 when each is small. `latency_ms` is the
-    other measure.
+    one, so the host's launch and wait latency (0.4 ms for the chunk call over 64K) is
+    charged once per batch: this is the time a serving loop that does not wait after
+    each call sees, comparable with the CUDA events `bench.original` times the original
+    with. Rotating among several input sets keeps them out of L2 when each is small.
+    `latency_ms` is the other measure.
     """
     import jax
 
