@@ -248,7 +248,7 @@ def test_default_key_groups_fill_the_waves(q_heads, q_len, k_len, groups):
 def _launch_order(plan, causal):
     """The key tiles each CTA of a call from row 0 walks, in launch order (the grid's
     last axis fastest, as `tile_stats._grid` lays it out)."""
-    pairs, rows = plan.geom.batch * plan.geom.q_heads, plan.grid_rows(causal)
+    pairs, rows = plan.pairs, plan.grid_rows(causal)
     group = plan.launch_group(causal)
     tiles = [int(estimate_plan.visible_tiles(plan, causal, (rows - 1 - r) * plan.rows))
              for r in range(rows)]  # row group r walks the row tile R - 1 - r

@@ -189,6 +189,11 @@ class EstimatePlan(UnitSums):
     head_group: int = 0
 
     @property
+    def pairs(self) -> int:
+        """The (batch, query head) pairs, B x Hq: each has its own rows and statistics."""
+        return self.geom.batch * self.geom.q_heads
+
+    @property
     def rows(self) -> int:
         """Reshaped query rows per CTA (a row tile): one wgmma M tile with the resident
         queries, one per consumer with the streamed ones."""
@@ -241,8 +246,7 @@ class EstimatePlan(UnitSums):
         geom = self.geom
         head_keys = self.padded_cols * geom.stride * geom.head_dim * OPERAND_BYTES
         most = max(1, LAUNCH_KEY_BYTES // head_keys) * geom.group
-        pairs = geom.batch * geom.q_heads
-        groups = [g for g in range(1, min(most, pairs) + 1) if pairs % g == 0]
+        groups = [g for g in range(1, min(most, self.pairs) + 1) if self.pairs % g == 0]
         wave, rows = LAUNCH_GROUP_WAVES * device_sms(), self.grid_rows(causal)
         return next((g for g in groups if g * rows >= wave), groups[-1])
 
@@ -254,7 +258,7 @@ class EstimatePlan(UnitSums):
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
         if self.persistent_ctas:
             return self.persistent_ctas
-        return self.geom.batch * self.geom.q_heads * self.grid_rows(causal) * self.cluster
+        return self.pairs * self.grid_rows(causal) * self.cluster
 
     def step_ctas(self, rows: int) -> int:
         """The CTAs of an unpaired kernel call covering `rows` reshaped query rows of every
@@ -262,7 +266,7 @@ class EstimatePlan(UnitSums):
         a persistent grid, the call's work items (all key tiles), which it spreads over
         its CTAs."""
         tiles = self.key_tiles if self.persistent_ctas else self.key_groups
-        return self.geom.batch * self.geom.q_heads * rows // self.rows * tiles
+        return self.pairs * rows // self.rows * tiles
 
     @property
     def key_span(self) -> int:
@@ -343,8 +347,7 @@ class EstimatePlan(UnitSums):
     @property
     def row_scratch_bytes(self) -> int:
         """The statistics of one reshaped query row of every head and batch element."""
-        geom = self.geom
-        return geom.batch * geom.q_heads * self.key_tiles * self.stat_planes * STAT_BYTES
+        return self.pairs * self.key_tiles * self.stat_planes * STAT_BYTES
 
     @property
     def scratch_bytes(self) -> int:
@@ -363,9 +366,7 @@ def work_items(plan: EstimatePlan, cols=None):
     block's row tiles come back for every key tile. Items of a key tile no row of the
     row tile sees (causal), or of a row tile past the call's, are empty."""
     tiles = visible_tiles(plan, False, 0, cols)
-    geom = plan.geom
-    return (tiles * (geom.batch * geom.q_heads * plan.row_blocks * plan.row_block_tiles),
-            tiles)
+    return tiles * (plan.pairs * plan.row_blocks * plan.row_block_tiles), tiles
 
 
 def device_sms() -> int:
@@ -505,16 +506,15 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         raise ValueError(f"persistent needs queries='streamed', cluster 1, key_groups 1 and "
                          f"no pair_rows; got queries={queries!r}, cluster={cluster}, "
                          f"key_groups={key_groups}, pair_rows={pair_rows}")
-    pairs = geom.batch * geom.q_heads
-    if head_group is not None and (head_group < 1 or pairs % head_group or (
-            head_group > 1 and (cluster > 1 or persistent))):
-        raise ValueError(f"head_group must divide B x Hq = {pairs}, and be 1 with a cluster "
-                         f"or a persistent grid (their grids' own order); got {head_group} "
-                         f"with cluster {cluster}, persistent {bool(persistent)}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
                         head_group=head_group or 0)
+    if head_group is not None and (head_group < 1 or plan.pairs % head_group or (
+            head_group > 1 and (cluster > 1 or persistent))):
+        raise ValueError(f"head_group must divide B x Hq = {plan.pairs}, and be 1 with a "
+                         f"cluster or a persistent grid (their grids' own order); got "
+                         f"{head_group} with cluster {cluster}, persistent {bool(persistent)}")
     if plan.key_groups > plan.key_tiles:
         raise ValueError(f"key_groups must be at most the {plan.key_tiles} key tiles; got "
                          f"{key_groups}")

@@ -129,11 +129,10 @@ def _grid(plan: EstimatePlan, causal: bool) -> dict[str, int]:
     row groups interleaved across its pairs (`EstimatePlan.launch_group`)."""
     if plan.persistent_ctas:
         return {PERSISTENT_AXIS: plan.persistent_ctas}
-    pairs, rows = plan.geom.batch * plan.geom.q_heads, plan.grid_rows(causal)
-    group = plan.launch_group(causal)
+    rows, group = plan.grid_rows(causal), plan.launch_group(causal)
     if group == 1:
-        return {PAIR_AXIS: pairs, ROW_AXIS: rows}
-    return {GROUP_AXIS: pairs // group, ROW_AXIS: rows, PAIR_AXIS: group}
+        return {PAIR_AXIS: plan.pairs, ROW_AXIS: rows}
+    return {GROUP_AXIS: plan.pairs // group, ROW_AXIS: rows, PAIR_AXIS: group}
 
 
 def _batch_and_head(plan: EstimatePlan, causal: bool):
