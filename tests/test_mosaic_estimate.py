@@ -685,9 +685,9 @@ def _interpreted_equals_reference(q, k, geom, plan, *, causal, key_len, page_siz
 
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
-# plan options): keys in use of a contiguous buffer, ending inside a stride group
-# (its column scored outside the kernel) and inside a key tile, then at a tile's end, and
-# one key (no whole group: the kernel walks no tile); a paged cache of pages of 64 x S
+# plan options): keys in use of a contiguous buffer, ending inside a stride group (the
+# tail tile's zeros fill it) and inside a key tile, then at a tile's end, and one key (a
+# group of one key and zeros, in the only tile walked); a paged cache of pages of 64 x S
 # tokens (a key tile each) with the keys ending in a page; row steps of 128 rows (3
 # steps over 19 query blocks, the last overlapping the one before) causal and
 # non-causal, and of a cluster of 2 resident row tiles; key groups (3 spans of 2 of 5

@@ -1,10 +1,12 @@
-"""A traced key count for the one-pass block-sum kernels of both backends
-(`xattn_jax.triton.one_pass`, `xattn_jax.mosaic.block_sums`), which read keys by whole
-stride groups (docs/estimate.md section 1: a reshaped key column is S consecutive keys).
+"""A traced key count for the Triton one-pass block-sum kernel (`xattn_jax.triton.
+one_pass`), which reads keys by whole stride groups (docs/estimate.md section 1: a
+reshaped key column is S consecutive keys). (The Mosaic kernel instead reads the key
+tile holding the count's end from a copy with the later keys zeroed,
+`xattn_jax.mosaic.block_sums`.)
 
-When the count of keys in use is data, it may end inside a stride group. The kernels
-then take the count rounded down to whole groups (`split_last_group`), so that no key
-past the count ever enters one of their scores whatever the buffer holds there, and the
+When the count of keys in use is data, it may end inside a stride group. The kernel
+then takes the count rounded down to whole groups (`split_last_group`), so that no key
+past the count ever enters one of its scores whatever the buffer holds there, and the
 one column of the partly filled group is scored here in plain JAX (`column_scores`; its
 keys past the count read as zeros) and merged into the kernel's statistics
 (`merge_column`) before the epilogue (`row_statistics.combine`).

@@ -6,10 +6,11 @@ tile_stats`, imported on first call only, so that this module imports with any j
 marks the statistics of key tiles a row tile never sees as empty (-inf maxima, zero
 sums: the kernel does not write them), and normalizes exactly with the epilogue the
 Triton one-pass kernel shares (`xattn_jax.row_statistics.combine`: the statistics are
-the same). A count of keys in use that ends inside a stride group gets that group's
-column scored outside the kernel (`xattn_jax.last_group`); a call whose statistics
-exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`,
-`row_statistics.in_steps`).
+the same). With a count of keys in use, the kernel reads the key tile holding the last
+key from a copy in which every later token is zero (`_tail_tile`), so that a count
+ending inside a stride group needs nothing outside the kernel (section 1: the partly
+filled group reads zeros); a call whose statistics exceed the plan's bound runs in row
+steps over all heads (`EstimatePlan.call_rows`, `row_statistics.in_steps`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.last_group import merge_column, split_last_group
 from xattn_jax.mosaic.estimate_plan import COLUMN_TILE, EstimatePlan, visible_tiles
 from xattn_jax.row_statistics import LOG2_E, combine, in_steps
 
@@ -60,6 +60,28 @@ def _keys(k: jax.Array, block_table, plan: EstimatePlan):
             jnp.clip(block_table.astype(jnp.int32), 0, pages - 1))
 
 
+def _tail_tile(keys: jax.Array, table, count, cols, plan: EstimatePlan) -> jax.Array:
+    """The key tile holding the last of the `cols` reshaped key columns in use (tile 0
+    for none) of `keys` as `_keys` gives them, with every token from `count` on zero
+    (count, cols: int32 scalars, count in [0, Lk], cols = ceil(count / S)): `[B, Hkv,
+    block_k, S, D]`, the contiguous layout whatever k's (a paged tile is gathered from
+    its page through `table`)."""
+    geom, bk = plan.geom, plan.block_k
+    s = geom.stride
+    tile = jax.lax.div(jnp.maximum(cols - 1, 0), jnp.int32(bk))
+    if table is None:
+        chunk = jax.lax.dynamic_slice_in_dim(keys, tile * bk, bk, axis=2)
+    else:  # keys [num_pages, page_size / S, S, Hkv, D]: a tile lies in one page
+        per_page = plan.page_size // s // bk
+        start = jax.lax.rem(tile, jnp.int32(per_page)) * bk
+        pages = table[:, jax.lax.div(tile, jnp.int32(per_page))]  # [B]
+        chunk = jax.vmap(lambda page: jax.lax.dynamic_slice(
+            keys, (page, start, 0, 0, 0), (1, bk) + keys.shape[2:])[0])(pages)
+        chunk = chunk.transpose(0, 3, 1, 2, 4)  # [B, Hkv, block_k, S, D]
+    tokens = (tile * bk + jnp.arange(bk)[:, None]) * s + jnp.arange(s)
+    return jnp.where((tokens < count)[..., None], chunk, jnp.zeros((), chunk.dtype))
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "causal", "norm"))
 def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
                norm: float, key_len: jax.Array | None = None,
@@ -82,10 +104,14 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
     queries = _strided(q, geom.stride, plan.padded_rows * geom.stride)
     # all keys: the last group's padding zeros count, as without the kernel (section 1)
     kernel_keys = jnp.full((1,), geom.k_cols * geom.stride, jnp.int32)
-    last_group, sees_keys = None, True
+    tail, sees_keys = None, True
     if key_len is not None:
-        kernel_keys, *last_group = split_last_group(q, k, key_len, block_table, geom, norm)
-        sees_keys = key_len[0] > 0
+        count = jnp.clip(key_len[0], 0, geom.k_len)
+        # whole groups, the last one maybe partly filled: the tail tile zeroes its extra
+        # keys
+        groups = jax.lax.div(count + (geom.stride - 1), jnp.int32(geom.stride))
+        kernel_keys = (groups * geom.stride).reshape(1)
+        tail, sees_keys = _tail_tile(keys, table, count, groups, plan), count > 0
     cols = kernel_keys[0] // geom.stride
     scale = geom.scale / norm * LOG2_E
 
@@ -94,14 +120,9 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         del first_head
         first = jnp.asarray(first_row, jnp.int32)[None] // COLUMN_TILE  # tile_stats' unit
         scalars = jnp.concatenate([kernel_keys, first])
-        stats = tile_stats.tile_stats(queries, keys, table, scalars, plan=plan,
-                                      causal=causal, scale=scale,
-                                      keys_in_use=key_len is not None)
+        stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
+                                      causal=causal, scale=scale)
         maxes, sums, totals = _planes(stats, plan, causal, first_row, cols)
-        if last_group is not None:
-            maxes, sums, totals = merge_column(
-                maxes, sums, totals, last_group, first_head=0, first_row=first_row,
-                row_extent=plan.padded_rows, block_k=plan.block_k, unit=plan.unit)
         return combine(maxes, sums, totals, geom, plan.unit, first_row, q_blocks, sees_keys)
 
     if not plan.call_rows:

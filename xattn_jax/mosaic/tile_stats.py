@@ -62,10 +62,11 @@ per element. Tiles no row of the row tile sees are neither computed nor stored
 
 Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
 memory by every warpgroup): the kernel sees only the first `scalars[0]` keys, whole
-stride groups (the partly filled group after them is scored by the caller,
-`xattn_jax.last_group`): a CTA walks no key tile past them and masks the one holding
-their end, so later keys (past a chunk's context, or any bytes a buffer holds there)
-never enter a statistic. With `plan.page_size`, k is a paged cache viewed as
+stride groups, and reads the key tile holding the last of them from the tail operand
+(`[B, Hkv, block_k, S, D]`: the caller's copy of that tile with every key past the
+count zero, so a partly filled last group reads zeros, section 1): a CTA walks no key
+tile past them and masks the one holding their end, so later keys (past a chunk's
+context, or any bytes a buffer holds there) never enter a statistic. With `plan.page_size`, k is a paged cache viewed as
 `[num_pages, page_size / S, S, Hkv, D]`: a key tile lies in one page (page_size a
 multiple of block_k x S), which the producer looks up in the block table, so that the
 key chunk is the same TMA box of another source. A call in row steps
@@ -251,16 +252,19 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                  keys_in_use: bool):
     """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D] (or a paged
     cache viewed as [num_pages, page_size / S, S, Hkv, D], then the block table int32
-    [B, pages_per_seq]), the scalars int32 [2] (the keys in use, whole stride groups;
-    the call's first reshaped query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles,
-    stat_planes, rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with
-    the streamed queries, lead None without stagger); scale: A' = product x scale. The
-    scalars are read only where they vary: the keys with `keys_in_use` (else all k_cols
-    columns), the first row in row steps (else 0), so that a whole call of all keys runs
-    with static bounds."""
-    table_ref = refs[0] if plan.page_size else None
+    [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], the
+    scalars int32 [2] (the keys in use, whole stride groups; the call's first reshaped
+    query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles, stat_planes,
+    rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with the streamed
+    queries, lead None without stagger); scale: A' = product x scale. The scalars are
+    read only where they vary: the keys with `keys_in_use` (else all k_cols columns),
+    the first row in row steps (else 0), so that a whole call of all keys runs with
+    static bounds."""
+    refs = list(refs)
+    table_ref = refs.pop(0) if plan.page_size else None
+    tail_ref = refs.pop(0) if keys_in_use else None
     (scalars_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready, free,
-     lead) = refs[bool(plan.page_size):]
+     lead) = refs
     geom = plan.geom
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
@@ -269,6 +273,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     cols = geom.k_cols  # key columns in use
     if keys_in_use:
         cols = lax.div(scalars_ref[0], jnp.int32(geom.stride))
+        tail_tile = lax.div(jnp.maximum(cols - 1, 0), jnp.int32(bk))  # read from tail_ref
     first_row = 0
     if plan.call_rows:
         # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
@@ -402,30 +407,47 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                 return k_ref.at[page, pl.ds(lax.rem(tile, tiles_per_page) * bk, bk),
                                 member, kv_head, columns]
 
-            @pl.loop(walked * steps, (walked + num_tiles) * steps)
-            def _(index):
-                walked_here = lax.div(index, jnp.int32(steps)) - walked
-                tile = _shift(walked_here, lo)
-                step = lax.rem(index, jnp.int32(steps))
-                member = lax.div(step, jnp.int32(parts))
-                columns = pl.ds(lax.rem(step, jnp.int32(parts)) * bd, bd)
-                slot = lax.rem(index, jnp.int32(stages))
+            def tail_chunk(tile, member, columns):
+                """`key_chunk` of the tile holding the last key in use: the tail's."""
+                del tile
+                return tail_ref.at[batch, kv_head, pl.ds(0, bk), member, columns]
 
-                @pl.when(index >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
+            def load(first_tile, last_tile, chunk_of):
+                """The steps of the row tile's key tiles first_tile .. last_tile - 1 (of
+                those it walks, 0 .. num_tiles - 1), their key chunks from
+                chunk_of(tile, member, columns)."""
+                @pl.loop((walked + first_tile) * steps, (walked + last_tile) * steps)
+                def _(index):
+                    walked_here = lax.div(index, jnp.int32(steps)) - walked
+                    tile = _shift(walked_here, lo)
+                    step = lax.rem(index, jnp.int32(steps))
+                    member = lax.div(step, jnp.int32(parts))
+                    columns = pl.ds(lax.rem(step, jnp.int32(parts)) * bd, bd)
+                    slot = lax.rem(index, jnp.int32(stages))
 
-                if streamed:
-                    slot_ready = ready.at[slot]
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[batch, head, pl.ds(first_row + row0, plan.rows),
-                                 geom.stride - 1 - member, columns],
-                        q_smem.at[slot], slot_ready)
-                else:  # the ready barrier of the consumer owning the tile
-                    slot_ready = ready.at[lax.rem(walked_here, jnp.int32(CONSUMERS)) * stages
-                                          + slot]
-                plgpu.copy_gmem_to_smem(key_chunk(tile, member, columns), k_smem.at[slot],
-                                        slot_ready, collective_axes=multicast)
+                    @pl.when(index >= stages)
+                    def _():
+                        plgpu.barrier_wait(free.at[slot])
+
+                    if streamed:
+                        slot_ready = ready.at[slot]
+                        plgpu.copy_gmem_to_smem(
+                            q_ref.at[batch, head, pl.ds(first_row + row0, plan.rows),
+                                     geom.stride - 1 - member, columns],
+                            q_smem.at[slot], slot_ready)
+                    else:  # the ready barrier of the consumer owning the tile
+                        slot_ready = ready.at[lax.rem(walked_here, jnp.int32(CONSUMERS))
+                                              * stages + slot]
+                    plgpu.copy_gmem_to_smem(chunk_of(tile, member, columns),
+                                            k_smem.at[slot], slot_ready,
+                                            collective_axes=multicast)
+
+            if tail_ref is None:
+                load(0, num_tiles, key_chunk)
+            else:  # no tile past the tail's is visible: it is the last one walked, if any
+                from_k = jnp.clip(tail_tile - lo, 0, num_tiles)
+                load(0, from_k, key_chunk)
+                load(from_k, num_tiles, tail_chunk)
 
         total = each_unit(produce) * steps
 
@@ -473,25 +495,28 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
     )
 
 
-def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None, scalars: jax.Array, *,
-               plan: EstimatePlan, causal: bool, scale: float,
-               keys_in_use: bool = True) -> jax.Array:
+def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
+               tail: jax.Array | None, scalars: jax.Array, *, plan: EstimatePlan,
+               causal: bool, scale: float) -> jax.Array:
     """Runs the kernel: q `[B, Hq, padded_rows, S, D]`, k `[B, Hkv, padded_cols, S, D]`
     (bfloat16 or float16, zero-padded) or, with `plan.page_size`, a paged cache viewed as
     `[num_pages, page_size / S, S, Hkv, D]` read through `table` (int32 `[B,
     pages_per_seq]`, ids in [0, num_pages)); scalars int32 `[2]`: the keys in use (whole
     stride groups, at most k_cols x S) and the first reshaped query row of this call (a
-    row step; 0 for all rows) divided by COLUMN_TILE; scale = log2(e) / (sqrt(D) S
-    norm). keys_in_use False: scalars[0] is k_cols x S, and the kernel takes it as a
-    constant. Returns float32 `[B, Hq, key_tiles, stat_planes, rows_per_call]`; entries of
-    tiles no row of a row tile sees (`estimate_plan.visible_tiles`) are not written."""
+    row step; 0 for all rows) divided by COLUMN_TILE; tail: None (scalars[0] is then
+    k_cols x S, and the kernel takes it as a constant) or the key tile holding the last
+    key in use, `[B, Hkv, block_k, S, D]` in k's dtype, with every key past the count
+    zero (read instead of k's tile); scale = log2(e) / (sqrt(D) S norm). Returns float32
+    `[B, Hq, key_tiles, stat_planes, rows_per_call]`; entries of tiles no row of a row
+    tile sees (`estimate_plan.visible_tiles`) are not written."""
     geom = plan.geom
     out_type = jax.ShapeDtypeStruct(
         (geom.batch, geom.q_heads, plan.key_tiles, plan.stat_planes, plan.rows_per_call),
         jnp.float32)
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
-                             keys_in_use=keys_in_use)
-    operands = (q, k) + ((table,) if plan.page_size else ()) + (scalars,)
+                             keys_in_use=tail is not None)
+    operands = ((q, k) + ((table,) if plan.page_size else ())
+                + ((tail,) if tail is not None else ()) + (scalars,))
     grid = _grid(plan, causal)
     return plgpu.kernel(
         body,

@@ -66,7 +66,12 @@ MIN_PROGRAMS = 1024  # one-pass grids smaller than this split the keys further
 ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
 ONE_PASS_STEP_BYTES = 48 << 20
 SCRATCH_PER_RESULT = 16
-SELECT_ROW_ELEMENTS = 4096  # rows x padded key blocks one selection program holds
+# The selection program: rows x padded key blocks it holds, and its warps, by the
+# padded width up to which they apply (the last: every wider row). Widths 256-2048
+# measured on the H200 (tuning.md note 33: 2048 elements with 2 or 4 warps, 2-19%
+# faster than the earlier 4096 elements with 4 or 8 warps); wider rows, not measured,
+# keep the earlier 4096 and 8.
+SELECT_PROGRAMS = ((512, 2048, 2), (2048, 2048, 4), (None, 4096, 8))
 SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned block_q)
 
 
@@ -258,11 +263,14 @@ def plan_strided_scores(geom: Geometry, dtype, *, interpret: bool,
 
 def plan_select_blocks(shape: tuple[int, int, int, int], *, interpret: bool) -> Plan:
     """The plan of one selection call over block sums of `shape` `[B, Hq, qb, kb]`: block_q
-    query-block rows per program (SELECT_ROW_ELEMENTS over the padded width, at most qb
-    padded to a power of two), each row's kb key blocks held in block_k, a power of two.
-    Its geometry counts in blocks (a block is one "token" of stride 1)."""
+    query-block rows per program (the elements of its width's SELECT_PROGRAMS row over
+    the padded width, at most qb padded to a power of two), each row's kb key blocks held
+    in block_k, a power of two. Its geometry counts in blocks (a block is one "token" of
+    stride 1)."""
     b, hq, qb, kb = shape
     width = next_pow2(kb)
+    elements, warps = next((e, w) for up_to, e, w in SELECT_PROGRAMS
+                           if up_to is None or width <= up_to)
     return Plan(Geometry(b, hq, hq, qb, kb, 1, 1, 1), SELECT_BLOCKS,
-                min(max(1, SELECT_ROW_ELEMENTS // width), next_pow2(qb)), width, 0,
-                num_warps=4 if kb <= 1024 else 8, num_stages=1, interpret=interpret)
+                min(max(1, elements // width), next_pow2(qb)), width, 0,
+                num_warps=warps, num_stages=1, interpret=interpret)

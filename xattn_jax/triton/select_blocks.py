@@ -10,9 +10,10 @@ blocks equal to x* are taken in index order (a running count) while still below 
 A program holds `rows` rows of one (batch, query head), each padded to the power-of-two
 width Triton's tiles need. Nothing is read or written outside the arrays: the block sums
 are read in place, by indices clamped into `[qb, kb]` under a mask (padding reads as
-zero), with no padded copy of the float32 input; the int8 mask is written unmasked into
-an output padded to whole tiles, whose padding the int8 -> bool conversion cuts off in
-the same pass.
+zero), with no padded copy of the float32 input; the bool mask is written unmasked into
+an output padded to whole tiles, cut to `[qb, kb]` after (no copy where nothing is
+padded; an int8 output and a conversion pass measured 11-40 µs slower on the H200,
+bench/results/tuning.md note 33).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks
     chosen = jnp.where((forced_mass >= target)[:, None], forced, chosen)
     chosen = jnp.where(reached(jnp.zeros((rows,), jnp.int32))[:, None], chosen, forced | candidate)
     chosen = jnp.where(jnp.isfinite(total)[:, None], chosen, allowed)
-    mask_ref[...] = chosen.astype(jnp.int8)  # padding: False (`real` is in every term)
+    mask_ref[...] = chosen  # padding: False (`real` is in every term)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "causal", "keep_sink", "keep_recent"))
@@ -100,9 +101,9 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: Plan, ca
         in_specs=[pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0)),
                   pl.BlockSpec((hq,), lambda i, h, r: (0,))],
         out_specs=pl.BlockSpec((None, None, rows, width), lambda i, h, r: (i, h, r, 0)),
-        out_shape=kernel_output((b, hq, row_tiles * rows, width), jnp.int8, block_sums,
+        out_shape=kernel_output((b, hq, row_tiles * rows, width), jnp.bool_, block_sums,
                                 threshold),
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps),
         interpret=plan.interpret,
     )(block_sums, threshold)
-    return mask[:, :, :qb, :kb].astype(bool)
+    return mask[:, :, :qb, :kb]
