@@ -107,8 +107,7 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
     tail, sees_keys = None, True
     if key_len is not None:
         count = jnp.clip(key_len[0], 0, geom.k_len)
-        # whole groups, the last one maybe partly filled: the tail tile zeroes its extra
-        # keys
+        # whole groups, the last one maybe partly filled (the tail tile's zeros)
         groups = jax.lax.div(count + (geom.stride - 1), jnp.int32(geom.stride))
         kernel_keys = (groups * geom.stride).reshape(1)
         tail, sees_keys = _tail_tile(keys, table, count, groups, plan), count > 0

@@ -66,10 +66,11 @@ stride groups, and reads the key tile holding the last of them from the tail ope
 (`[B, Hkv, block_k, S, D]`: the caller's copy of that tile with every key past the
 count zero, so a partly filled last group reads zeros, section 1): a CTA walks no key
 tile past them and masks the one holding their end, so later keys (past a chunk's
-context, or any bytes a buffer holds there) never enter a statistic. With `plan.page_size`, k is a paged cache viewed as
-`[num_pages, page_size / S, S, Hkv, D]`: a key tile lies in one page (page_size a
-multiple of block_k x S), which the producer looks up in the block table, so that the
-key chunk is the same TMA box of another source. A call in row steps
+context, or any bytes a buffer holds there) never enter a statistic. With
+`plan.page_size`, k is a paged cache viewed as `[num_pages, page_size / S, S, Hkv, D]`:
+a key tile lies in one page (page_size a multiple of block_k x S), which the producer
+looks up in the block table, so that the key chunk is the same TMA box of another
+source. A call in row steps
 (`plan.call_rows`) covers the rows COLUMN_TILE x `scalars[1]` .. + call_rows of every
 head (a multiple of COLUMN_TILE, as Mosaic GPU's TMA layout inference wants the query
 rows' index known to be): the queries are read at those rows and visibility counts

@@ -67,11 +67,11 @@ ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
 ONE_PASS_STEP_BYTES = 48 << 20
 SCRATCH_PER_RESULT = 16
 # The selection program: rows x padded key blocks it holds, and its warps, by the
-# padded width up to which they apply (the last: every wider row). Widths 256-2048
-# measured on the H200 (tuning.md note 33: 2048 elements with 2 or 4 warps, 2-19%
-# faster than the earlier 4096 elements with 4 or 8 warps); wider rows, not measured,
-# keep the earlier 4096 and 8.
-SELECT_PROGRAMS = ((512, 2048, 2), (2048, 2048, 4), (None, 4096, 8))
+# padded width up to which they apply (the last: every wider row). At widths 256-2048
+# each is the fastest of 1-16 rows with 2-8 warps measured on the H200 (tuning.md note
+# 33: 5-11% faster than the earlier 4096 elements with 4 or 8 warps at widths 512-2048,
+# within the spread at 256); wider rows, not measured, keep those.
+SELECT_PROGRAMS = ((512, 1024, 2), (2048, 2048, 4), (None, 4096, 8))
 SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned block_q)
 
 

@@ -12,7 +12,7 @@ width Triton's tiles need. Nothing is read or written outside the arrays: the bl
 are read in place, by indices clamped into `[qb, kb]` under a mask (padding reads as
 zero), with no padded copy of the float32 input; the bool mask is written unmasked into
 an output padded to whole tiles, cut to `[qb, kb]` after (no copy where nothing is
-padded; an int8 output and a conversion pass measured 11-40 µs slower on the H200,
+padded; an int8 output and a conversion pass measured 11-41 µs slower on the H200,
 bench/results/tuning.md note 33).
 """
 
