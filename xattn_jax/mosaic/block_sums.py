@@ -20,7 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import COLUMN_TILE, EstimatePlan, visible_tiles
+from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, tail_tile,
+                                            visible_tiles)
 from xattn_jax.row_statistics import LOG2_E, combine, in_steps
 
 
@@ -68,7 +69,7 @@ def _tail_tile(keys: jax.Array, table, count, cols, plan: EstimatePlan) -> jax.A
     its page through `table`)."""
     geom, bk = plan.geom, plan.block_k
     s = geom.stride
-    tile = jax.lax.div(jnp.maximum(cols - 1, 0), jnp.int32(bk))
+    tile = tail_tile(plan, cols)
     if table is None:
         chunk = jax.lax.dynamic_slice_in_dim(keys, tile * bk, bk, axis=2)
     else:  # keys [num_pages, page_size / S, S, Hkv, D]: a tile lies in one page

@@ -631,6 +631,14 @@ def visible_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
     return _div(seen_cols + (plan.block_k - 1), plan.block_k)
 
 
+def tail_tile(plan: EstimatePlan, cols):
+    """The key tile holding the last of the `cols` reshaped key columns in use (a traced
+    int32 scalar; tile 0 for none): in a call with a key count, the one the kernel reads
+    from the caller's zeroed copy (shared by `block_sums._tail_tile`, which makes the
+    copy, and the kernel, which reads it)."""
+    return _div(jnp.maximum(cols - 1, 0), plan.block_k)
+
+
 def paired_row_tiles(plan: EstimatePlan, group):
     """The row tiles a CTA of a call with paired row tiles (`EstimatePlan.paired`) walks,
     in order: `group` (its index on the grid's row axis, in [0, row_groups): a Python

@@ -112,7 +112,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
-                                            EstimatePlan, paired_row_tiles,
+                                            EstimatePlan, paired_row_tiles, tail_tile,
                                             unmasked_tiles, visible_tiles, work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
@@ -274,7 +274,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     cols = geom.k_cols  # key columns in use
     if keys_in_use:
         cols = lax.div(scalars_ref[0], jnp.int32(geom.stride))
-        tail_tile = lax.div(jnp.maximum(cols - 1, 0), jnp.int32(bk))  # read from tail_ref
+        tail = tail_tile(plan, cols)  # its key chunks come from tail_ref
     first_row = 0
     if plan.call_rows:
         # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
@@ -446,7 +446,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             if tail_ref is None:
                 load(0, num_tiles, key_chunk)
             else:  # no tile past the tail's is visible: it is the last one walked, if any
-                from_k = jnp.clip(tail_tile - lo, 0, num_tiles)
+                from_k = jnp.clip(tail - lo, 0, num_tiles)
                 load(0, from_k, key_chunk)
                 load(from_k, num_tiles, tail_chunk)
 
