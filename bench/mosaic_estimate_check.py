@@ -119,7 +119,7 @@ def label(options: dict) -> str:
 
 
 def mosaic_sums(geom: Geometry, causal: bool, **plan_options):
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **plan_options)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal, **plan_options)
     return plan, functools.partial(mosaic_block_sums.block_sums, plan=plan, causal=causal,
                                    norm=1.0)
 
@@ -234,7 +234,8 @@ def run_timing(layouts, variants, cases=TIMED) -> None:
                      for stage in estimate_plan.LEAVE_OUT]
         for options in layouts + variants + leave_out:
             try:
-                plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+                plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal,
+                                                   **options)
                 run, strided = _kernel_only(geom, causal, plan)
                 q5 = strided(q, plan.padded_rows * STRIDE)
                 k5 = strided(k, plan.padded_cols * STRIDE)
@@ -352,12 +353,12 @@ def main() -> None:
         return
     geom = ESTIMATE["causal-64k"].geom()
     for options in layouts:
-        plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+        plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, **options)
         print(f"plan [{label(options)}] at causal-64k: {plan}, smem {plan.smem_bytes(2)} "
               f"B, scratch {plan.scratch_bytes / 2**20:.0f} MiB", flush=True)
     for options in list(variants):
         try:
-            estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, **options)
         except ValueError as error:
             print(f"variant [{label(options)}] dropped: {error}", flush=True)
             variants.remove(options)

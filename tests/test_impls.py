@@ -142,7 +142,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     k = jnp.asarray(rng.standard_normal((1, 1, 256, 128)), jnp.bfloat16)
     geom = xattn_jax.checks.check_qk(q, k, stride=8, block_size=64, causal=True)
     assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True) is None
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
     assert plan.ctas(True) == 2 < estimate_plan.auto_min_ctas()
     impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=True)
     got = impl.block_sums(q, k, geom=geom, causal=True, norm=1.0)

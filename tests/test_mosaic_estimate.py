@@ -194,10 +194,10 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
     small = estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=300 << 20)
     assert (small.call_rows, small.scratch_bytes) == (2048, 2048 * 147456)
     # 64 MiB hold 384 rows: 96 CTAs, less than a wave (the Triton kernel takes the call)
-    rule = "one row step of a wave of CTAs \\(640 rows of every head\\)"
+    rule = "one row step of a wave of row tiles \\(640 rows of every head\\)"
     assert re.search(rule, estimate_plan.unsupported_reason(long, jnp.bfloat16,
                                                             max_scratch_bytes=64 << 20))
-    with pytest.raises(ValueError, match="a wave of CTAs"):
+    with pytest.raises(ValueError, match="a wave of row tiles"):
         estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=64 << 20)
     # blocks of 4096 tokens (512 rows): steps of whole query blocks, a wave at least
     wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 131072, 131072, 128, 8, 4096),
@@ -218,7 +218,7 @@ def test_row_steps_and_auto_follow_the_device_sms(monkeypatch):
     long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
     bound = 80 << 20
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)  # an H200
-    assert "a wave of CTAs" in estimate_plan.unsupported_reason(long, jnp.bfloat16,
+    assert "a wave of row tiles" in estimate_plan.unsupported_reason(long, jnp.bfloat16,
                                                                 max_scratch_bytes=bound)
     assert estimate_plan.auto_min_ctas() == 99
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 114)
@@ -339,6 +339,38 @@ def test_key_groups_plan_and_refusals():
                           ({"key_groups": 5}, "at most the 4 key tiles")):
         with pytest.raises(ValueError, match=rule):
             estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+
+
+def test_causal_calls_take_key_groups():
+    """A causal call's default plan splits each row tile's key tiles among
+    CAUSAL_KEY_GROUPS CTAs (at most its key tiles), whole or in row steps, whose size
+    still follows the row tiles (64 MiB at causal 128K stay refused, and 1.5 GiB give
+    the steps they gave without key groups), up to 32 MiB of keys a head (causal 1M's
+    256 MiB take none); the same call non-causal, explicit key groups, pair_rows,
+    clusters and the persistent grid keep theirs."""
+    geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)  # 16 key tiles
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
+    assert estimate_plan.CAUSAL_KEY_GROUPS == 4
+    assert (plan.key_groups, plan.key_span, plan.ctas(True)) == (4, 4, 32 * 32 * 4)
+    assert estimate_plan.estimate_plan(geom, jnp.bfloat16).key_groups == 1
+    for options, groups in (({"key_groups": 2}, 2), ({"pair_rows": True}, 1),
+                            ({"cluster": 2}, 1), ({"persistent": True}, 1)):
+        assert estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True,
+                                           **options).key_groups == groups
+    short = Geometry(1, 8, 8, 4096, 4096, 128, 8, 128)  # 512 key columns: 2 key tiles
+    assert estimate_plan.estimate_plan(short, jnp.bfloat16, causal=True).key_groups == 2
+    long = Geometry(1, 32, 32, 131072, 131072, 128, 8, 128)
+    stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True)
+    alone = estimate_plan.estimate_plan(long, jnp.bfloat16)
+    assert (stepped.key_groups, stepped.call_rows) == (4, alone.call_rows) == (4, 8192)
+    assert "a wave of row tiles" in estimate_plan.unsupported_reason(
+        long, jnp.bfloat16, causal=True, max_scratch_bytes=64 << 20)
+    with pytest.raises(ValueError, match="a wave of row tiles"):
+        estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True,
+                                    max_scratch_bytes=64 << 20)
+    assert stepped.head_key_bytes == estimate_plan.CAUSAL_KEY_GROUPS_MAX_BYTES == 32 << 20
+    longest = Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128)
+    assert estimate_plan.estimate_plan(longest, jnp.bfloat16, causal=True).key_groups == 1
 
 
 @pytest.mark.parametrize("page_size, queries, block_k", [
@@ -640,7 +672,7 @@ def test_kernel_in_gpu_interpret_mode(rand, case):
     dtype = options.pop("dtype", jnp.bfloat16)
     geom = _geom(*shape, causal)
     q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=dtype)
-    plan = estimate_plan.estimate_plan(geom, dtype, **options)
+    plan = estimate_plan.estimate_plan(geom, dtype, causal=causal, **options)
     with mosaic_interpret.interpret_kernel() as races_found:
         got = np.asarray(block_sums.block_sums(q, k, plan=plan, causal=causal, norm=norm))
         assert not races_found(), str(rand)
@@ -717,7 +749,8 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
     *shape, causal, key_len, page_size, options = case
     geom = _geom(*shape, causal)
     q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size, **options)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal,
+                                       page_size=page_size, **options)
     assert plan.call_rows == options.get("call_rows", 0)
     _interpreted_equals_reference(q, k, geom, plan, causal=causal, key_len=key_len,
                                   page_size=page_size, rand=rand, case=case)
@@ -777,10 +810,11 @@ def test_timing_variant_without_products_reads_zero_scores(rand, queries):
 
 
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, plan options; {}: the
-# default plan, streamed queries at block_k 256 with staggered consumers; pair_rows: R =
-# 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it; clusters of the
-# streamed queries: 2, causal; 4, two of its CTAs padding rows; launch groups of 4 of 16
-# (batch, head) pairs, and of 1)
+# default plan, streamed queries at block_k 256 with staggered consumers, causal calls
+# in CAUSAL_KEY_GROUPS key groups (one CTA per row tile in the case that asks for it);
+# pair_rows: R = 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it;
+# clusters of the streamed queries: 2, causal; 4, two of its CTAs padding rows; launch
+# groups of 4 of 16 (batch, head) pairs, and of 1)
 GPU_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident"}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "resident"}),
@@ -792,6 +826,7 @@ GPU_CASES = [
      {"queries": "resident", "cluster": 2, "block_k": 256}),
     (1, 32, 8, 4096, 8192, 128, 8, 512, True, {"queries": "resident", "cluster": 4}),
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"key_groups": 1}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"block_k": 128}),
     (1, 8, 8, 1024, 3072, 64, 8, 1024, True, {}),
@@ -813,15 +848,16 @@ GPU_CASES = [
 # (batch, q_heads, kv_heads, Lq, Lk, D, stride, block_size, causal, key_len, page_size,
 # plan options): the chunk scores' calls (keys in use ending inside a stride group, in a
 # contiguous buffer and in pages of 4096, 1024 and 512 tokens: key tiles of 256, 128 and
-# 64 columns), row steps (causal and not; 8 and 3 steps, the last overlapping), key groups
-# (a chunk's half on 2 GPUs in 2 spans; a paged cache in 3; causal in 3, spans of the
-# long row tiles only).
+# 64 columns), row steps (causal, in the default key groups and in one; non-causal; 8
+# and 3 steps, the last overlapping), key groups (a chunk's half on 2 GPUs in 2 spans; a
+# paged cache in 3; causal in 3, spans of the long row tiles only).
 GPU_KEY_CASES = [
     (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
     (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
     (1, 32, 8, 2048, 16384, 128, 8, 128, False, 16383, 1024, {}),
     (1, 8, 2, 1000, 8192, 64, 8, 256, False, 4097, 512, {}),
     (1, 8, 2, 8192, 8192, 128, 8, 128, True, None, None, {"call_rows": 128}),
+    (1, 8, 2, 8192, 8192, 128, 8, 128, True, None, None, {"call_rows": 128, "key_groups": 1}),
     (1, 8, 2, 5000, 7048, 128, 8, 128, False, None, None, {"call_rows": 256}),
     (1, 16, 4, 4096, 32768, 128, 8, 1024, False, 30001, None, {"key_groups": 2}),
     (2, 8, 2, 2048, 16384, 128, 8, 128, False, 16000, 1024, {"key_groups": 3}),
@@ -846,7 +882,8 @@ def test_kernel_equals_reference(rand, case):
     *shape, causal, key_len, page_size, options = case
     geom = _geom(*shape, causal)
     q, k = rand.qk(*shape[:6], stride=geom.stride, dtype=jnp.bfloat16)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size, **options)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal,
+                                       page_size=page_size, **options)
     got, want = _block_sums_with(q, k, geom, plan, causal=causal, key_len=key_len,
                                  page_size=page_size, rand=rand)
     assert not np.isnan(got).any(), f"{case} {rand}"

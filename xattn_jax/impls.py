@@ -122,7 +122,7 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
                                               max_scratch_bytes=max_scratch_bytes)
     if reason is not None:
         return None, f"{reason}; impl='triton' or 'auto' take this call"
-    plan = estimate_plan.estimate_plan(geom, dtype, page_size=page_size,
+    plan = estimate_plan.estimate_plan(geom, dtype, causal=causal, page_size=page_size,
                                        max_scratch_bytes=max_scratch_bytes)
     if auto:
         ctas, minimum = plan.ctas(causal), estimate_plan.auto_min_ctas()

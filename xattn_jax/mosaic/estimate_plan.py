@@ -38,8 +38,8 @@ Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
 steps of every head, `call_rows`, where its statistics would exceed MAX_SCRATCH_BYTES
 or the caller's bound) and on which grid: one CTA per row tile, or per row tile and
-key group (`key_groups`, each a span of the key tiles, where the row tiles alone leave
-SMs idle: `_key_groups`), or a persistent grid of one CTA per SM that walks work items
+key group (`key_groups`, each a span of the key tiles: in causal calls, and where the
+row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent grid of one CTA per SM that walks work items
 of one row tile and one key tile each (`persistent_ctas`, `work_items`; off by default,
 PERSISTENT), and in which order the CTAs launch (`launch_group`: in causal calls, the
 row tiles of a few heads interleaved, longest first).
@@ -96,6 +96,23 @@ CLUSTERS = (1, 2, 4)
 # 0.219 / 0.437, G = 3 (192) 0.300 / 0.577, G = 4 (256) 0.237 / 0.474, the Triton kernel
 # 0.279 / 0.540 (mosaic_estimate_h200.md, session 13)
 MAX_KEY_GROUPS = 4
+# The key groups of a causal call (at most its key tiles; cluster 1, no pair_rows, no
+# persistent grid), whole or in row steps. G CTAs per row tile take half (G = 2) or a
+# quarter (G = 4) of a wave's row tiles, so their queries' working set in L2 shrinks as
+# much, and the triangle's long row tiles split into short CTAs. H200, kernel alone,
+# medians of 3 alternating rounds, two calls on two machines, G = 1 / 2 / 4 / 8 (ms):
+# causal 16K 0.325 / 0.315 / 0.301; 32K 1.147 / 1.071 / 1.023 and 1.141 / 1.095 / 1.059 /
+# 1.045; 64K 4.305 / 4.026 / 3.788 and 4.283 / - / 3.900 / 3.939 (G = 16 3.917); causal
+# 128K, whole block sums in row steps: 17.51 / - / 16.71 / 16.86; GQA 32:8 64K 3.78-3.88
+# every way (mosaic_estimate_h200.md, session 17). ncu, causal 32K: L2 hit rate 61% ->
+# 75% (G = 1 -> 2), DRAM reads 1.88 -> 1.13 GB, SMs active 90% -> 94%. Non-causal calls
+# keep one CTA per row tile where it fills a wave (64K: G = 1 / 2 / 4 7.22 / 7.35 /
+# 7.21 ms, 5 rounds).
+CAUSAL_KEY_GROUPS = 4
+# ... where a head's keys take at most this: causal 1M (256 MiB a head, row steps of
+# 1024 rows) ran 3.4% slower with G = 4 (1126 against 1089 ms, 3 alternating rounds);
+# 128K (32 MiB) is the longest measured faster. Between them, not measured.
+CAUSAL_KEY_GROUPS_MAX_BYTES = 32 << 20
 # Timing variants that leave one stage of the kernel out (`bench.mosaic_estimate_check`;
 # their results are not block sums): the consumers' matrix products (scores read as 0),
 # or the statistics past the row maxima.
@@ -244,8 +261,7 @@ class EstimatePlan(UnitSums):
         if not causal or self.paired(causal) or self.cluster > 1 or self.persistent_ctas:
             return 1
         geom = self.geom
-        head_keys = self.padded_cols * geom.stride * geom.head_dim * OPERAND_BYTES
-        most = max(1, LAUNCH_KEY_BYTES // head_keys) * geom.group
+        most = max(1, LAUNCH_KEY_BYTES // self.head_key_bytes) * geom.group
         groups = [g for g in range(1, min(most, self.pairs) + 1) if self.pairs % g == 0]
         wave, rows = LAUNCH_GROUP_WAVES * device_sms(), self.grid_rows(causal)
         return next((g for g in groups if g * rows >= wave), groups[-1])
@@ -306,6 +322,11 @@ class EstimatePlan(UnitSums):
     @property
     def padded_cols(self) -> int:
         return self.key_tiles * self.block_k
+
+    @property
+    def head_key_bytes(self) -> int:
+        """The bytes of one key head's keys, whole key tiles."""
+        return self.padded_cols * self.geom.stride * self.geom.head_dim * OPERAND_BYTES
 
     @property
     def head_parts(self) -> int:
@@ -395,7 +416,7 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     stride tokens (a key tile of at least 64 columns in one page), the CTA's shared
     memory with a ring of MIN_STAGES slots (resident queries: 64 rows x S x D of them
     besides, which S 16 at D 128 exceeds), and the statistics of one row step of every
-    head holding a wave of CTAs within `max_scratch_bytes` (default MAX_SCRATCH_BYTES;
+    head holding a wave of row tiles within `max_scratch_bytes` (default MAX_SCRATCH_BYTES;
     `_call_rows`). Any Lq and Lk otherwise (padded to whole tiles by the caller). The
     Triton backend takes everything else.
     """
@@ -425,12 +446,13 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     if _call_rows(plan, bound) is None:
         rows = _wave_rows(plan)
         return (f"impl='mosaic' block sums need {plan.row_scratch_bytes * rows} bytes of "
-                f"statistics for one row step of a wave of CTAs ({rows} rows of every "
+                f"statistics for one row step of a wave of row tiles ({rows} rows of every "
                 f"head), over max_scratch_bytes={bound}")
     return None
 
 
-def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
+def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
+                  block_k: int | None = None,
                   stages: int | None = None, cluster: int | None = None,
                   leave_out: str | None = None, queries: str | None = None,
                   stagger: bool | None = None, pair_rows: bool | None = None,
@@ -438,7 +460,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                   call_rows: int | None = None, key_groups: int | None = None,
                   persistent: bool | None = None,
                   head_group: int | None = None) -> EstimatePlan:
-    """The plan of one call. page_size: the tokens per page of a paged k (None:
+    """The plan of one call. causal: whether the call is (its default key groups
+    depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per page of a paged k (None:
     contiguous); max_scratch_bytes: the statistics one kernel call may hold (default
     MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
 
@@ -454,7 +477,8 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
     multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
-    `_call_rows`, `_key_groups`, PERSISTENT where the rest allows it, and the rule of
+    `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest allows it,
+    and the rule of
     `EstimatePlan.launch_group`. leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -510,6 +534,9 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
                         head_group=head_group or 0)
+    if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
+        key_groups = _causal_key_groups(plan)
+        plan = dataclasses.replace(plan, key_groups=key_groups)
     if head_group is not None and (head_group < 1 or plan.pairs % head_group or (
             head_group > 1 and (cluster > 1 or persistent))):
         raise ValueError(f"head_group must divide B x Hq = {plan.pairs}, and be 1 with a "
@@ -527,7 +554,7 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
         call_rows = _call_rows(plan, bound)
         if call_rows is None:
             raise ValueError(f"plan {plan} needs {plan.row_scratch_bytes * _wave_rows(plan)}"
-                             f" bytes of statistics for one row step of a wave of CTAs; "
+                             f" bytes of statistics for one row step of a wave of row tiles; "
                              f"the limit is {bound}")
     elif call_rows < 0 or call_rows % plan.row_quantum:
         raise ValueError(f"call_rows must be 0 or a positive multiple of {plan.row_quantum}"
@@ -540,6 +567,15 @@ def estimate_plan(geom: Geometry, dtype, *, block_k: int | None = None,
     if key_groups is None and cluster == 1 and not pair_rows and not call_rows:
         return dataclasses.replace(plan, key_groups=_key_groups(plan))
     return plan
+
+
+def _causal_key_groups(plan: EstimatePlan) -> int:
+    """The key groups of a causal call (`plan`, key_groups 1): CAUSAL_KEY_GROUPS, at most
+    the key tiles, where a head's keys take at most CAUSAL_KEY_GROUPS_MAX_BYTES; else
+    1."""
+    if plan.head_key_bytes > CAUSAL_KEY_GROUPS_MAX_BYTES:
+        return 1
+    return min(CAUSAL_KEY_GROUPS, plan.key_tiles)
 
 
 def _key_groups(plan: EstimatePlan) -> int:
@@ -558,10 +594,19 @@ def _key_groups(plan: EstimatePlan) -> int:
                key=lambda groups: (fill(groups), -groups))
 
 
+def _fills_sms(plan: EstimatePlan, rows: int) -> bool:
+    """Whether a row step of `rows` rows of every head holds a CTA per SM (`device_sms`)
+    without its key groups: a row tile each (with a persistent grid, a work item each).
+    Steps of fewer row tiles ran slower than the Triton kernel whatever their key groups
+    (H200, causal 128K within 64 MiB: 20.3 ms with G = 1, session 12, and 21.1-23.1 ms
+    with G = 2-4, session 17, against 18.0; mosaic_estimate_h200.md)."""
+    return plan.step_ctas(rows) // plan.key_groups >= device_sms()
+
+
 def _wave_rows(plan: EstimatePlan) -> int:
-    """The rows of the smallest row step holding a CTA per SM (`device_sms`)."""
-    rows, sms = plan.row_quantum, device_sms()
-    while plan.step_ctas(rows) < sms:
+    """The rows of the smallest row step that `_fills_sms`."""
+    rows = plan.row_quantum
+    while not _fills_sms(plan, rows):
         rows += plan.row_quantum
     return rows
 
@@ -578,14 +623,12 @@ def _default_block_k(queries: str, page_size: int | None, stride: int) -> int:
 def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     """The rows of every head one kernel call covers within `bound` bytes of
     statistics: 0 (all, one call) where they fit, else a multiple of `row_quantum`
-    whose row steps keep every SM busy (`device_sms`, at least one CTA each) and take
-    the fewest waves of CTAs in all (steps x waves per step: a step's CTAs see about as
-    many key tiles each, so a step lasts about its waves); of equals, the one computing
-    the fewest rows twice (the last step ends at the last query block, overlapping the
-    one before), then the largest (fewer calls). None if no such step fits: steps of
-    less than a wave ran slower than the Triton kernel's (causal 128K within 64 MiB:
-    20.3 against 18.0 ms on the H200, mosaic_estimate_h200.md, session 12), which
-    "auto" then runs."""
+    whose row steps keep every SM busy (`_fills_sms`) and take the fewest waves of CTAs
+    in all (steps x waves per step: a step's CTAs see about as many key tiles each, so a
+    step lasts about its waves); of equals, the one computing the fewest rows twice (the
+    last step ends at the last query block, overlapping the one before), then the
+    largest (fewer calls). None if no such step fits (the Triton kernel, which "auto"
+    then runs, was faster than smaller steps)."""
     geom = plan.geom
     if plan.row_scratch_bytes * plan.row_tiles * plan.rows <= bound:
         return 0
@@ -597,7 +640,7 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
 
     fit = min(bound // plan.row_scratch_bytes, cdiv(extent, quantum) * quantum)
     steps = [rows for rows in range(quantum, fit // quantum * quantum + 1, quantum)
-             if plan.step_ctas(rows) >= sms]
+             if _fills_sms(plan, rows)]
     if not steps:
         return None
     return min(steps, key=lambda rows: (waves(rows), cdiv(extent, rows) * rows, -rows))
