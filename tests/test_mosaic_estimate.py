@@ -268,16 +268,19 @@ def _idle_share(work, sms):
     (16384, 32, 4, 0.17), (32768, 32, 2, 0.10),  # the key heads in LAUNCH_KEY_BYTES
     (65536, 32, 1, 0.06), (131072, 8, 4, 0.01)])  # one key head (more than the bound)
 def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, group, idle):
-    """Causal calls launch the row tiles of the fewest (batch, head) pairs whose CTAs fill
-    a wave interleaved, longest first, unless their key heads' keys exceed
-    LAUNCH_KEY_BYTES (then as many key heads' pairs as it holds, at least one's): on 132
-    SMs less idle time than one pair's row tiles after another (5.5-21% at 16K-64K);
-    non-causal calls, clusters and paired row tiles keep one pair at a time; head_group
-    overrides the rule and is checked."""
+    """Causal calls of one key group launch the row tiles of the fewest (batch, head)
+    pairs whose CTAs fill a wave interleaved, longest first, unless their key heads'
+    keys exceed LAUNCH_KEY_BYTES (then as many key heads' pairs as it holds, at least
+    one's): on 132 SMs less idle time than one pair's row tiles after another (5.5-21% at
+    16K-64K); non-causal calls, causal calls in key groups (the default), clusters and
+    paired row tiles keep one pair at a time; head_group overrides the rule and is
+    checked."""
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)
     geom = Geometry(1, 32, kv_heads, q_len, q_len, 128, 8, 128)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, key_groups=1)
     assert plan.launch_group(True) == group and plan.launch_group(False) == 1
+    grouped = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
+    assert (grouped.key_groups, grouped.launch_group(True)) == (4, 1)
     head_keys = q_len * 128 * 2  # bf16 keys of one key head
     assert group == geom.group or group // geom.group * head_keys <= (
         estimate_plan.LAUNCH_KEY_BYTES)

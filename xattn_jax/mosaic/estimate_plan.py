@@ -41,8 +41,8 @@ or the caller's bound) and on which grid: one CTA per row tile, or per row tile 
 key group (`key_groups`, each a span of the key tiles: in causal calls, and where the
 row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent grid of one CTA per SM that walks work items
 of one row tile and one key tile each (`persistent_ctas`, `work_items`; off by default,
-PERSISTENT), and in which order the CTAs launch (`launch_group`: in causal calls, the
-row tiles of a few heads interleaved, longest first).
+PERSISTENT), and in which order the CTAs launch (`launch_group`: in causal calls of one
+key group, the row tiles of a few heads interleaved, longest first).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -151,6 +151,11 @@ LAUNCH_GROUP_WAVES = 1
 # in groups of 8, and causal 64K / 128K 9% / 23% slower in groups of 16 / 8 (256 MiB):
 # every head's keys then pass through L2.
 LAUNCH_KEY_BYTES = 24 << 20
+# A causal call in key groups (CAUSAL_KEY_GROUPS) launches one pair's row groups at a
+# time, its long row tiles being cut short already. H200, kernel alone, G = 4, launch
+# groups of 1 / 2 (the rule) / 4 / 8 pairs (ms, medians of 3 alternating rounds): causal
+# 32K 1.017 / 1.032 / 1.073 / 1.255; GQA 32:8 32K 1.002 / 1.047 / - / 1.009; causal 64K
+# 3.948 / 4.222 (mosaic_estimate_h200.md, session 17).
 OPERAND_BYTES = 2  # q and k hold bfloat16 or float16 (SUPPORTED_DTYPES)
 # Row tiles per block of the persistent grid's item order (`work_items`): the key tiles
 # pass by a block's row tiles, whose queries (16 MiB at 128 rows x S 8 x D 128 in bf16)
@@ -250,15 +255,17 @@ class EstimatePlan(UnitSums):
     def launch_group(self, causal: bool) -> int:
         """The (batch, query head) pairs whose CTAs the grid launches interleaved, row
         group by row group, the longest first (`tile_stats`: a group's pairs, then the
-        next group's): `head_group` where given; else in a causal call (unpaired,
-        cluster 1, no persistent grid) the fewest pairs dividing B x Hq whose CTAs fill
-        LAUNCH_GROUP_WAVES waves (`device_sms`), so that the long row tiles start early,
-        but no more than the pairs of the key heads whose keys LAUNCH_KEY_BYTES holds
-        (one at least), so that a wave's keys stay in L2; else 1, each pair's row groups
-        in turn."""
+        next group's): `head_group` where given; else in a causal call of one key group
+        (unpaired, cluster 1, no persistent grid) the fewest pairs dividing B x Hq whose
+        CTAs fill LAUNCH_GROUP_WAVES waves (`device_sms`), so that the long row tiles
+        start early, but no more than the pairs of the key heads whose keys
+        LAUNCH_KEY_BYTES holds (one at least), so that a wave's keys stay in L2; else 1,
+        each pair's row groups in turn (key groups cut the long row tiles short:
+        measured, beside LAUNCH_KEY_BYTES)."""
         if self.head_group:
             return self.head_group
-        if not causal or self.paired(causal) or self.cluster > 1 or self.persistent_ctas:
+        if (not causal or self.key_groups > 1 or self.paired(causal) or self.cluster > 1
+                or self.persistent_ctas):
             return 1
         geom = self.geom
         most = max(1, LAUNCH_KEY_BYTES // self.head_key_bytes) * geom.group

@@ -42,8 +42,9 @@ first row, masked tiles, stores per row tile as above); the CTA's step count goe
 across the two, so the ring's slots and barrier phases simply continue (no barrier is
 initialized twice), and the stagger barrier is arrived on once, in the CTA's first key
 tile. Unpaired, each (batch, head) pair runs the row tiles that see the most key tiles
-first; in causal calls the grid interleaves them across a launch group of pairs
-(`EstimatePlan.launch_group`), so that every pair's long row tiles start early.
+first; in causal calls of one key group the grid interleaves them across a launch
+group of pairs (`EstimatePlan.launch_group`), so that every pair's long row tiles start
+early.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
 wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
