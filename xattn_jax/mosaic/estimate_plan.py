@@ -39,10 +39,11 @@ pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one,
 steps of every head, `call_rows`, where its statistics would exceed MAX_SCRATCH_BYTES
 or the caller's bound) and on which grid: one CTA per row tile, or per row tile and
 key group (`key_groups`, each a span of the key tiles: in causal calls, and where the
-row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent grid of one CTA per SM that walks work items
-of one row tile and one key tile each (`persistent_ctas`, `work_items`; off by default,
-PERSISTENT), and in which order the CTAs launch (`launch_group`: in causal calls of one
-key group, the row tiles of a few heads interleaved, longest first).
+row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent
+grid of one CTA per SM that walks work items of one row tile and one key tile each
+(`persistent_ctas`, `work_items`; off by default, PERSISTENT), and in which order the
+CTAs launch (`launch_group`: in causal calls of one key group, the row tiles of a few
+heads interleaved, longest first).
 
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
@@ -104,8 +105,9 @@ MAX_KEY_GROUPS = 4
 # causal 16K 0.325 / 0.315 / 0.301; 32K 1.147 / 1.071 / 1.023 and 1.141 / 1.095 / 1.059 /
 # 1.045; 64K 4.305 / 4.026 / 3.788 and 4.283 / - / 3.900 / 3.939 (G = 16 3.917); causal
 # 128K, whole block sums in row steps: 17.51 / - / 16.71 / 16.86; GQA 32:8 64K 3.78-3.88
-# every way (mosaic_estimate_h200.md, session 17). ncu, causal 32K: L2 hit rate 61% ->
-# 75% (G = 1 -> 2), DRAM reads 1.88 -> 1.13 GB, SMs active 90% -> 94%. Non-causal calls
+# every way (mosaic_estimate_h200.md, session 17). ncu, causal 32K, G = 1 / 2 / 4: L2
+# hit rate 61 / 75 / 84%, DRAM reads 1.88 / 1.13 / 0.62 GB, SMs active 90 / 94 / 95%
+# (G = 4 launching one pair at a time, below LAUNCH_KEY_BYTES). Non-causal calls
 # keep one CTA per row tile where it fills a wave (64K: G = 1 / 2 / 4 7.22 / 7.35 /
 # 7.21 ms, 5 rounds).
 CAUSAL_KEY_GROUPS = 4
@@ -423,9 +425,9 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     stride tokens (a key tile of at least 64 columns in one page), the CTA's shared
     memory with a ring of MIN_STAGES slots (resident queries: 64 rows x S x D of them
     besides, which S 16 at D 128 exceeds), and the statistics of one row step of every
-    head holding a wave of row tiles within `max_scratch_bytes` (default MAX_SCRATCH_BYTES;
-    `_call_rows`). Any Lq and Lk otherwise (padded to whole tiles by the caller). The
-    Triton backend takes everything else.
+    head holding a wave of row tiles within `max_scratch_bytes` (default
+    MAX_SCRATCH_BYTES; `_call_rows`). Any Lq and Lk otherwise (padded to whole tiles by
+    the caller). The Triton backend takes everything else.
     """
     _check_queries(queries)
     dtype = jnp.dtype(dtype)
@@ -468,9 +470,10 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   persistent: bool | None = None,
                   head_group: int | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
-    depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per page of a paged k (None:
-    contiguous); max_scratch_bytes: the statistics one kernel call may hold (default
-    MAX_SCRATCH_BYTES): a call holding more runs in row steps (`_call_rows`).
+    depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
+    page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
+    call may hold (default MAX_SCRATCH_BYTES): a call holding more runs in row steps
+    (`_call_rows`).
 
     block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
     stages, cluster (in CLUSTERS), queries (in QUERY_LAYOUTS), stagger (the staggered
@@ -484,9 +487,9 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
     multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
-    `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest allows it,
-    and the rule of
-    `EstimatePlan.launch_group`. leave_out: a timing variant (LEAVE_OUT).
+    `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
+    allows it, and the rule of `EstimatePlan.launch_group`. leave_out: a timing variant
+    (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
     queries = QUERIES if queries is None else queries
