@@ -104,15 +104,14 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
     keys, table = _keys(k, block_table, plan)
     queries = _strided(q, geom.stride, plan.padded_rows * geom.stride)
     # all keys: the last group's padding zeros count, as without the kernel (section 1)
-    kernel_keys = jnp.full((1,), geom.k_cols * geom.stride, jnp.int32)
+    cols = geom.k_cols  # the reshaped key columns in use
     tail, sees_keys = None, True
     if key_len is not None:
         count = jnp.clip(key_len[0], 0, geom.k_len)
         # whole groups, the last one maybe partly filled (the tail tile's zeros)
-        groups = jax.lax.div(count + (geom.stride - 1), jnp.int32(geom.stride))
-        kernel_keys = (groups * geom.stride).reshape(1)
-        tail, sees_keys = _tail_tile(keys, table, count, groups, plan), count > 0
-    cols = kernel_keys[0] // geom.stride
+        cols = jax.lax.div(count + (geom.stride - 1), jnp.int32(geom.stride))
+        tail, sees_keys = _tail_tile(keys, table, count, cols, plan), count > 0
+    kernel_keys = jnp.asarray(cols * geom.stride, jnp.int32).reshape(1)
     scale = geom.scale / norm * LOG2_E
 
     def block_sums_of(first_head, first_row, q_blocks):
