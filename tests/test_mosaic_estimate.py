@@ -354,7 +354,8 @@ def test_causal_calls_take_key_groups():
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)  # 16 key tiles
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
     assert estimate_plan.CAUSAL_KEY_GROUPS == 4
-    assert (plan.key_groups, plan.key_span, plan.ctas(True)) == (4, 4, 32 * 32 * 4)
+    # 32 row tiles seeing 1, 1, 2, 2, .. 16 tiles: 8 take 1 CTA, 8 take 2, 3 and 4
+    assert (plan.key_groups, plan.key_span, plan.ctas(True)) == (4, 4, 32 * 80)
     assert estimate_plan.estimate_plan(geom, jnp.bfloat16).key_groups == 1
     for options, groups in (({"key_groups": 2}, 2), ({"pair_rows": True}, 1),
                             ({"cluster": 2}, 1), ({"persistent": True}, 1)):
@@ -374,6 +375,38 @@ def test_causal_calls_take_key_groups():
     assert stepped.head_key_bytes == estimate_plan.CAUSAL_KEY_GROUPS_MAX_BYTES == 32 << 20
     longest = Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128)
     assert estimate_plan.estimate_plan(longest, jnp.bfloat16, causal=True).key_groups == 1
+
+
+@pytest.mark.parametrize("q_len, k_len, stride, block_size, block_k, groups", [
+    (32768, 32768, 8, 128, 256, 4), (4096, 7168, 8, 128, 256, 3), (2900, 4948, 8, 128, 128, 4),
+    (6144, 6144, 16, 256, 256, 2), (1000, 1256, 2, 64, 64, 3)])
+def test_compacted_grid_holds_exactly_the_walking_ctas(q_len, k_len, stride, block_size,
+                                                        block_k, groups):
+    """A whole causal call in key groups launches one CTA per (row tile, key group) whose
+    span holds a tile the row tile sees, the longest row tiles first: every visible tile
+    is walked exactly once and no CTA walks none. Row steps, non-causal calls and one
+    key group keep the full grid."""
+    geom = Geometry(1, 4, 2, q_len, k_len, 128, stride, block_size)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, block_k=block_k,
+                                       key_groups=groups)
+    assert plan.compacted(True) and not plan.compacted(False)
+    cells = estimate_plan.walked_cells(plan)
+    rows = plan.row_groups(True)
+    assert plan.grid_rows(True) == len(cells) and plan.grid_rows(False) == rows * groups
+    seen = [int(estimate_plan.visible_tiles(plan, True, (rows - 1 - g) * plan.rows))
+            for g in range(rows)]
+    walked = [min(seen[c // groups] - c % groups * plan.key_span, plan.key_span)
+              for c in cells]
+    assert min(walked) > 0 and sum(walked) == sum(seen)
+    assert list(cells) == sorted(cells)  # row groups in launch order, spans in turn
+    assert [c // groups for c in cells] == [g for g in range(rows)
+                                            for _ in range(-(-seen[g] // plan.key_span))]
+    assert not estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True,
+                                           key_groups=1).compacted(True)
+    stepped = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, block_k=block_k,
+                                          key_groups=groups, call_rows=plan.row_quantum)
+    assert not stepped.compacted(True) and stepped.grid_rows(True) == (
+        stepped.row_groups(True) * groups)
 
 
 @pytest.mark.parametrize("page_size, queries, block_k", [

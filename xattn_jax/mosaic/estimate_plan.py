@@ -52,10 +52,12 @@ Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
@@ -112,8 +114,10 @@ MAX_KEY_GROUPS = 4
 # 7.21 ms, 5 rounds).
 CAUSAL_KEY_GROUPS = 4
 # ... where a head's keys take at most this: causal 1M (256 MiB a head, row steps of
-# 1024 rows) ran 3.4% slower with G = 4 (1126 against 1089 ms, 3 alternating rounds);
-# 128K (32 MiB) is the longest measured faster. Between them, not measured.
+# 1024 rows) ran 3.4% slower with G = 4 (1126 against 1089 ms, 3 alternating rounds),
+# 512K (128 MiB) 5.2% slower (284.4 against 270.2 ms), 256K (64 MiB) as fast (70.1
+# against 70.7 ms, within the rounds' spread; session 18); 128K (32 MiB) is the longest
+# measured faster.
 CAUSAL_KEY_GROUPS_MAX_BYTES = 32 << 20
 # Timing variants that leave one stage of the kernel out (`bench.mosaic_estimate_check`;
 # their results are not block sums): the consumers' matrix products (scores read as 0),
@@ -276,8 +280,21 @@ class EstimatePlan(UnitSums):
         return next((g for g in groups if g * rows >= wave), groups[-1])
 
     def grid_rows(self, causal: bool) -> int:
-        """The kernel grid's row axis: `row_groups`, each in `key_groups` CTAs."""
+        """The kernel grid's row axis: `row_groups`, each in `key_groups` CTAs, or with
+        `compacted` only the CTAs whose span holds a tile their row tile sees."""
+        if self.compacted(causal):
+            return len(walked_cells(self))
         return self.row_groups(causal) * self.key_groups
+
+    def compacted(self, causal: bool) -> bool:
+        """Whether the grid leaves out the CTAs that would walk no key tile: in a causal
+        call of one kernel call in key groups, where the spans past a row tile's
+        diagonal are empty (3 CTAs in 8 at G = 4 and Lq = Lk). A row step's empty spans
+        depend on its first row, a traced value: its grid keeps them. H200, kernel
+        alone, medians of 5 alternating rounds, full / compacted grid (session 18):
+        causal 32K 1.070 / 1.029 ms, 64K 3.974 / 3.933, GQA 32:8 64K 3.964 / 3.917, 16K
+        0.297 / 0.297."""
+        return causal and self.key_groups > 1 and not self.call_rows
 
     def ctas(self, causal: bool) -> int:
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
@@ -384,6 +401,22 @@ class EstimatePlan(UnitSums):
         """One kernel call's statistics: `[B, Hq, key_tiles, stat_planes, rows_per_call]`
         floats."""
         return self.row_scratch_bytes * self.rows_per_call
+
+
+@functools.lru_cache(maxsize=64)
+def walked_cells(plan: EstimatePlan) -> tuple[int, ...]:
+    """The grid's row axis of a compacted causal call (`EstimatePlan.compacted`), in
+    launch order: for CTA i, its row group g (the row tile R - 1 - g: the longest first,
+    as without compaction) and key group j packed as g x key_groups + j, for exactly the
+    pairs whose span (tiles j x key_span ..) holds a tile of the row tile's
+    `visible_tiles`. The kernel reads its CTA's entry from an int32 operand."""
+    groups, span = plan.key_groups, plan.key_span
+    rows = plan.row_groups(True)
+    with jax.ensure_compile_time_eval():  # concrete also while a caller traces
+        seen = np.asarray(visible_tiles(plan, True,
+                                        (rows - 1 - np.arange(rows)) * plan.rows))
+    return tuple(g * groups + j for g in range(rows) for j in range(groups)
+                 if j * span < seen[g])
 
 
 def work_items(plan: EstimatePlan, cols=None):

@@ -93,7 +93,10 @@ Key groups (`plan.key_groups` = G > 1, cluster 1, unpaired): G consecutive CTAs 
 grid's row axis share a row tile, CTA g walking its visible key tiles g x span .. (g +
 1) x span - 1 (`plan.key_span`; possibly none). Each tile's statistics have their own
 place, so nothing is combined across CTAs; the ring and barriers count the CTA's own
-tiles from its span's first.
+tiles from its span's first. A whole causal call's grid is compacted
+(`EstimatePlan.compacted`): it holds only the CTAs whose span holds a visible tile, each
+reading its row group and key group from the cells operand, so that no CTA is launched
+past a row tile's diagonal.
 
 Persistent grid (`plan.persistent_ctas` = G, streamed queries, unpaired, one key
 group): G CTAs, CTA c walking work items c, c + G, ... of `estimate_plan.work_items`,
@@ -114,10 +117,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan, paired_row_tiles, tail_tile,
-                                            unmasked_tiles, visible_tiles, work_items)
+                                            unmasked_tiles, visible_tiles,
+                                            walked_cells, work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
+# Pallas' automatic warpgroup barriers around every store to shared memory: off. They
+# cost two barriers per statistics plane and key tile in each consumer (36 at block
+# 128, 68 at block 64). Their two conditions hold here (CompilerParams): the only
+# thread stores to shared memory are the statistics, which no thread reads back (TMA
+# stores them), each tile's behind `wait_smem_to_gmem` and ahead of `commit_smem`,
+# both of which synchronize the warpgroup themselves. H200, kernel alone, medians of 6
+# rounds in rotating order, with / without (session 18): non-causal 64K block 64 7.885
+# / 7.498 ms, block 128 7.524 / 7.272, causal 64K 3.936 / 3.874, causal 32K 1.053 /
+# 1.042, the 4096-query chunk over 64K 0.4446 / 0.4434; block sums bit-identical.
+AUTO_BARRIERS = False
 CLUSTER_AXIS = "cluster"
 PERSISTENT_AXIS = "ctas"
 PAIR_AXIS = "pairs"  # (batch, query head) pairs: batch x Hq + head
@@ -148,12 +162,14 @@ def _batch_and_head(plan: EstimatePlan, causal: bool):
     return lax.div(pair, q_heads), lax.rem(pair, q_heads)
 
 
-def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols):
+def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref):
     """The work of this CTA, in order: a function each(walk) that runs walk(batch, head,
     row0, lo, n, walked) for each of its units (a row tile of (batch, head) starting at
     reshaped query row row0 of this call, whose key tiles lo .. lo + n - 1 the CTA walks;
     walked = the key tiles walked for the units before) and returns the key tiles
-    walked in all. `first_row`: the call's first row; `cols`: the key columns in use.
+    walked in all. `first_row`: the call's first row; `cols`: the key columns in use;
+    `cells_ref`: with a compacted grid (`EstimatePlan.compacted`), the int32 cells of
+    `estimate_plan.walked_cells`, else None.
 
     - Persistent (`plan.persistent_ctas` = G): the call's work items (`work_items`) c,
       c + G, c + 2G, ... for CTA c, each one key tile (n = 1) or none (n = 0: a tile no
@@ -162,7 +178,8 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols):
       groups), or two with paired row tiles (`estimate_plan.paired_row_tiles`).
       Unpaired, the clusters run long row tiles first, and the CTAs of a cluster walk
       the key tiles its last row tile sees; with `plan.key_groups` = G, the G CTAs of a
-      row tile walk consecutive spans of `plan.key_span` of them."""
+      row tile walk consecutive spans of `plan.key_span` of them (compacted: those of
+      the spans holding a visible tile, a cell each)."""
     if plan.persistent_ctas:
         return functools.partial(_walk_items, plan, causal, first_row, cols)
     batch, head = _batch_and_head(plan, causal)
@@ -182,8 +199,9 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols):
         return paired
     group, lo = index, 0
     if plan.key_groups > 1:
-        group = lax.div(index, jnp.int32(plan.key_groups))
-        lo = lax.rem(index, jnp.int32(plan.key_groups)) * plan.key_span
+        cell = index if cells_ref is None else cells_ref[index]
+        group = lax.div(cell, jnp.int32(plan.key_groups))
+        lo = lax.rem(cell, jnp.int32(plan.key_groups)) * plan.key_span
     first_tile = (plan.row_groups(causal) - 1 - group) * plan.cluster  # long first
     row0 = (first_tile + lax.axis_index(CLUSTER_AXIS)) * plan.rows
     num_tiles = visible_tiles(plan, causal,
@@ -254,7 +272,8 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                  keys_in_use: bool):
     """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D] (or a paged
     cache viewed as [num_pages, page_size / S, S, Hkv, D], then the block table int32
-    [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], the
+    [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], with
+    a compacted grid its cells int32 [grid_rows] (`estimate_plan.walked_cells`), the
     scalars int32 [2] (the keys in use, whole stride groups; the call's first reshaped
     query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles, stat_planes,
     rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with the streamed
@@ -265,6 +284,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     refs = list(refs)
     table_ref = refs.pop(0) if plan.page_size else None
     tail_ref = refs.pop(0) if keys_in_use else None
+    cells_ref = refs.pop(0) if plan.compacted(causal) else None
     (scalars_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready, free,
      lead) = refs
     geom = plan.geom
@@ -281,7 +301,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
         # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
         # queries' row index to be one (block_rows is: `unsupported_reason`)
         first_row = scalars_ref[1] * COLUMN_TILE
-    each_unit = _cta_work(plan, causal, first_row, cols)
+    each_unit = _cta_work(plan, causal, first_row, cols, cells_ref)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
 
@@ -517,8 +537,10 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
         jnp.float32)
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
                              keys_in_use=tail is not None)
+    cells = ((jnp.asarray(walked_cells(plan), jnp.int32),) if plan.compacted(causal)
+             else ())
     operands = ((q, k) + ((table,) if plan.page_size else ())
-                + ((tail,) if tail is not None else ()) + (scalars,))
+                + ((tail,) if tail is not None else ()) + cells + (scalars,))
     grid = _grid(plan, causal)
     return plgpu.kernel(
         body,
@@ -530,5 +552,6 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
         cluster_names=(CLUSTER_AXIS,),
         num_threads=CONSUMERS + 1,
         thread_name=WG_AXIS,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             unsafe_no_auto_barriers=not AUTO_BARRIERS),
     )(*operands)
