@@ -288,7 +288,7 @@ class EstimatePlan(UnitSums):
 
     def compacted(self, causal: bool) -> bool:
         """Whether the grid leaves out the CTAs that would walk no key tile: in a causal
-        call of one kernel call in key groups, where the spans past a row tile's
+        call in key groups made of one kernel call, where the spans past a row tile's
         diagonal are empty (3 CTAs in 8 at G = 4 and Lq = Lk). A row step's empty spans
         depend on its first row, a traced value: its grid keeps them. H200, kernel
         alone, medians of 5 alternating rounds, full / compacted grid (session 18):

@@ -124,9 +124,9 @@ from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_
 
 # Pallas' automatic warpgroup barriers around every store to shared memory: off. They
 # cost two barriers per statistics plane and key tile in each consumer (36 at block
-# 128, 68 at block 64). Their two conditions hold here (CompilerParams): the only
-# thread stores to shared memory are the statistics, which no thread reads back (TMA
-# stores them), each tile's behind `wait_smem_to_gmem` and ahead of `commit_smem`,
+# 128, 68 at block 64). Their two conditions hold here (CompilerParams): the threads'
+# only stores to shared memory are the statistics, which no thread reads back (TMA
+# copies them out), each tile's after `wait_smem_to_gmem` and before `commit_smem`,
 # both of which synchronize the warpgroup themselves. H200, kernel alone, medians of 6
 # rounds in rotating order, with / without (session 18): non-causal 64K block 64 7.885
 # / 7.498 ms, block 128 7.524 / 7.272, causal 64K 3.936 / 3.874, causal 32K 1.053 /
