@@ -8,6 +8,8 @@ cross-checks against the pure-torch reference are in test_bridge_reference.py.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,38 @@ def test_selection_rules_by_construction():
     assert mask.tolist() == [[True] * 4 + [False] * 2]  # no mass: every valid block
     traced = jax.jit(lambda s, n: select_kv_blocks(s, threshold=0.75, num_valid=n))
     assert traced(scores, jnp.asarray([5])).tolist() == [[True, True, True, False, True, False]]
+
+
+def test_ranking_by_pairs_is_the_sorted_rule(seed):
+    """Up to RANK_BY_PAIRS_MAX_BLOCKS blocks the selection ranks blocks by pairwise
+    comparison: the same blocks as `reference.take_descending` (sorting), ties to the
+    lower index, non-candidates never taken, on values whose sums are exact in float32
+    (eighths: many ties, no rounding to tell the two summation orders apart); and
+    select_kv_blocks gives the same masks by either path, both rules."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        shape = (int(rng.integers(1, 4)), int(rng.integers(1, 5)), int(rng.integers(1, 40)))
+        values = jnp.asarray(rng.integers(0, 6, size=shape) / 8.0, jnp.float32)
+        candidate = jnp.asarray(rng.random(shape) < 0.8)
+        total = jnp.where(candidate, values, 0.0).sum(axis=-1, keepdims=True)
+        target = total * float(rng.choice([0.0, 0.3, 0.5, 0.9, 1.0, 1.2]))
+        by_pairs = kv_blocks._take_ranked_by_pairs(values, candidate, target)
+        sorted_ = reference.take_descending(values, candidate, jnp.zeros_like(total), target)
+        assert np.array_equal(by_pairs, sorted_), f"seed {seed}"
+        assert not np.asarray(by_pairs & ~candidate).any()
+    scores = jnp.asarray(rng.integers(0, 9, size=(2, 8, 3, 24)) / 8.0, jnp.float32)
+    scores = scores.at[1, :, :, 20:].set(kv_blocks.EMPTY_BLOCK)
+    for rule, rows in (("score", scores.sum(axis=2)), ("vote", scores)):
+        select = functools.partial(kv_blocks._select_kv.__wrapped__, rows,
+                                   jnp.asarray([24, 22]), jnp.float32(0.7), rule=rule,
+                                   groups=2, keep_first=True, keep_last=True,
+                                   per_kv_head=True)
+        assert rows.shape[-1] <= kv_blocks.RANK_BY_PAIRS_MAX_BLOCKS
+        by_pairs = np.asarray(select())
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kv_blocks, "RANK_BY_PAIRS_MAX_BLOCKS", 0)
+            assert np.array_equal(by_pairs, np.asarray(select())), f"{rule}, seed {seed}"
+        assert by_pairs.any() and not by_pairs.all()
 
 
 @pytest.mark.parametrize("kwargs, match", [
