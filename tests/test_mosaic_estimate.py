@@ -114,6 +114,26 @@ def test_plan_defaults_fit_and_overrides_are_checked():
     assert (clustered.row_tiles, clustered.ctas(False)) == (4, 64)
     with pytest.raises(ValueError, match="stagger needs queries='streamed'"):
         estimate_plan.estimate_plan(geom, jnp.bfloat16, stagger=True, queries="resident")
+    # consumer 1's statistics after consumer 0's: non-causal calls of the streamed
+    # queries; one barrier more
+    causal = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
+    assert (plan.ordered_stats, causal.ordered_stats, resident.ordered_stats) == (
+        True, False, False)
+    unordered = dataclasses.replace(plan, ordered_stats=False)
+    assert plan.smem_bytes(2) == unordered.smem_bytes(2) + 8
+    assert estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True,
+                                       ordered_stats=True).ordered_stats
+    with pytest.raises(ValueError, match="ordered_stats needs queries='streamed'"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, ordered_stats=True,
+                                    queries="resident")
+    # a ring as long as a tile's steps (S 2, D 64: 2 steps) lets consumer 0 run a tile
+    # ahead: off by default there, refused when asked for
+    short = Geometry(1, 2, 1, 600, 700, 64, 2, 32)
+    assert not estimate_plan.estimate_plan(short, jnp.bfloat16, block_k=64).ordered_stats
+    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 300, 556, 128, 4, 64),
+                                       jnp.bfloat16, block_k=64, stages=3).ordered_stats
+    with pytest.raises(ValueError, match="ordered_stats needs fewer stages than the 2"):
+        estimate_plan.estimate_plan(short, jnp.bfloat16, block_k=64, ordered_stats=True)
 
 
 def test_pair_rows_plan_and_refusals():
@@ -454,7 +474,8 @@ def test_streamed_plan_rows_and_ring(block_k, stages):
     resident = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
                                            queries="resident")
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
-                                       queries="streamed", stagger=False)
+                                       queries="streamed", stagger=False,
+                                       ordered_stats=False)
     assert (resident.queries, resident.rows, resident.row_tiles) == ("resident", 64, 2)
     assert (plan.rows, plan.row_tiles, plan.padded_rows) == (128, 1, 128)
     assert plan.stages == stages
@@ -464,11 +485,16 @@ def test_streamed_plan_rows_and_ring(block_k, stages):
     deeper = estimate_plan.EstimatePlan(geom, block_k, 64, stages + 1, queries="streamed")
     assert (deeper.smem_bytes(2) > estimate_plan.SMEM_BYTES
             or stages == estimate_plan.MAX_STAGES)
-    # staggered: one barrier more; consumer 1 half a tile (16 steps) late, or as late as
-    # the ring allows
+    # staggered, and ordered statistics: one barrier more each; consumer 1 half a tile
+    # (16 steps) late, or as late as the ring allows
     staggered = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
-                                            queries="streamed", stagger=True)
+                                            queries="streamed", stagger=True,
+                                            ordered_stats=False)
     assert staggered.smem_bytes(2) == plan.smem_bytes(2) + 8
+    ordered = estimate_plan.estimate_plan(geom, jnp.bfloat16, block_k=block_k,
+                                          queries="streamed")
+    assert (ordered.stagger, ordered.ordered_stats, ordered.stages) == (True, True, stages)
+    assert ordered.smem_bytes(2) == plan.smem_bytes(2) + 16
     assert (plan.lag_steps, staggered.lag_steps) == (0, min(8, stages - 1))
 
 
@@ -538,6 +564,7 @@ LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepes
     ((1, 8, 2, 2048, 2048, 128, 16, 128), True, {"queries": "streamed"}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": False}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "ordered_stats": True}),
 ]
 LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
     # unstaggered; a non-causal call (which ignores the flag)
@@ -640,6 +667,10 @@ def test_lowering_counts_shared_memory_as_the_plan(queries, block_size, block_k)
 # Key groups (CTAs per row tile, each a span of its key tiles): 2 spans of one tile;
 # 3 spans of 2 of 5 tiles, causal and staggered, the first row tile's third CTA walking
 # none; the resident queries, their consumers taking turns from the span's first tile.
+# Consumer 1's statistics after consumer 0's
+# (ordered_stats, the default of non-causal streamed calls whose ring is shorter than a
+# tile's steps: above, the non-causal case of S 4, D 128 and 3 stages): causal and
+# staggered; causal in 3 key groups; that non-causal call without it.
 INTERPRET_CASES = [
     (1, 2, 1, 256, 256, 64, 2, 32, True, 1.0, {"block_k": 64, "queries": "resident"}),
     (2, 2, 1, 190, 251, 64, 2, 16, False, 2.0, {"block_k": 64, "queries": "resident"}),
@@ -691,6 +722,13 @@ INTERPRET_CASES = [
      {"block_k": 64, "queries": "streamed", "head_group": 2}),
     (2, 2, 1, 300, 556, 64, 2, 64, True, 1.0,
      {"block_k": 64, "queries": "streamed", "head_group": 1}),
+    (1, 2, 1, 300, 556, 128, 4, 64, True, 1.0,
+     {"block_k": 64, "stages": 3, "queries": "streamed", "ordered_stats": True}),
+    (1, 2, 1, 300, 556, 128, 4, 64, True, 1.0,
+     {"block_k": 64, "stages": 2, "queries": "streamed", "key_groups": 3,
+      "ordered_stats": True}),
+    (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
+     {"block_k": 64, "stages": 3, "queries": "streamed", "ordered_stats": False}),
 ]
 
 
@@ -850,7 +888,8 @@ def test_timing_variant_without_products_reads_zero_scores(rand, queries):
 # in CAUSAL_KEY_GROUPS key groups (one CTA per row tile in the case that asks for it);
 # pair_rows: R = 4, R = 3 with Lq < Lk, S 16 with R = 3, a non-causal call ignoring it;
 # clusters of the streamed queries: 2, causal; 4, two of its CTAs padding rows; launch
-# groups of 4 of 16 (batch, head) pairs, and of 1)
+# groups of 4 of 16 (batch, head) pairs, and of 1; ordered statistics in a causal call,
+# a non-causal call without them)
 GPU_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"queries": "resident"}),
     (1, 32, 8, 4096, 4096, 128, 8, 64, False, {"queries": "resident"}),
@@ -878,6 +917,8 @@ GPU_CASES = [
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"cluster": 4, "block_k": 128}),
     (2, 8, 2, 2000, 3024, 128, 8, 128, True, {"head_group": 4}),
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"head_group": 1}),
+    (1, 32, 8, 4096, 4096, 128, 8, 128, True, {"ordered_stats": True}),
+    (2, 8, 2, 2000, 3024, 128, 8, 256, False, {"ordered_stats": False}),
 ]
 
 

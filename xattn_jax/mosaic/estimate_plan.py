@@ -24,7 +24,9 @@ per key tile):
   queries took). Both consumers compute every key tile. With `cluster` = c > 1, the
   CTAs of c consecutive row tiles share each key chunk as above (each loads its own
   query chunks). With `stagger` (the default), consumer 1 starts `lag_steps` steps
-  after consumer 0, so that each one's statistics may overlap the other's products.
+  after consumer 0, so that each one's statistics may overlap the other's products;
+  with `ordered_stats` (the default in non-causal calls), consumer 1 computes a tile's
+  statistics only after consumer 0 has, so that the two never compute them at once.
   With `pair_rows` (causal calls only; off by default: measured slower, PAIR_ROWS), a
   CTA walks two row tiles one after the other, i and R - 1 - i of the R row tiles of
   its (batch, query head), so that every CTA walks about the same number of key tiles
@@ -78,6 +80,17 @@ QUERY_LAYOUTS = ("resident", "streamed")
 QUERIES = "streamed"
 BLOCK_K = {"resident": 128, "streamed": 256}  # reshaped key columns per key tile (wgmma N)
 STAGGER = True  # the streamed queries' default
+# Consumer 1 computes a key tile's statistics only once consumer 0 has stored its own
+# (`EstimatePlan.ordered_stats`, streamed queries), so that the two do not compute them
+# at once. H200, kernel alone: with one consumer's statistics left out (timing only) a
+# call ran as fast as with none (chunk 4096 over 64K 0.411 / 0.416 ms, none 0.413, both
+# 0.435; non-causal 32K block 128 1.711 / 1.736, none 1.714, both 1.833), so the other
+# consumer's products hide them and both at once cost the time. Ordered / not, medians
+# of 7 rotating rounds: non-causal calls 1.0-1.9% faster (the chunk over 64K 0.4311 /
+# 0.4353 ms, 32K block 128 1.7776 / 1.8024, block 4096 1.7334 / 1.7554, 64K block 64
+# 7.1750 / 7.3121), causal ones within the rounds' spread (32K 1.0168 / 1.0126, 64K
+# 3.8360 / 3.8120): on in non-causal calls (mosaic_estimate_h200.md, session 19).
+ORDERED_STATS = True
 # Two row tiles per CTA in causal calls (streamed queries): off, measured slower on the
 # H200 (mosaic_estimate_h200.md, session 11, kernel alone: causal 32K 1.33 against 1.15
 # ms, 64K 4.88 against 4.24; GQA 64K 4.26 against 4.38, within the run's spread)
@@ -198,7 +211,9 @@ class EstimatePlan(UnitSums):
     grid (streamed queries, cluster 1, key_groups 1, no pair_rows) that walk the call's
     work items in turns (`work_items`); head_group: 0 for the rule of `launch_group`, or
     the (batch, query head) pairs whose CTAs launch interleaved (a divisor of B x Hq;
-    cluster 1, no persistent grid).
+    cluster 1, no persistent grid); ordered_stats (streamed queries, fewer stages than
+    `steps_per_tile`): consumer 1 computes each key tile's statistics after consumer 0
+    has stored its own.
     """
 
     geom: Geometry
@@ -215,6 +230,7 @@ class EstimatePlan(UnitSums):
     key_groups: int = 1
     persistent_ctas: int = 0
     head_group: int = 0
+    ordered_stats: bool = False
 
     @property
     def pairs(self) -> int:
@@ -369,14 +385,14 @@ class EstimatePlan(UnitSums):
         of `tile_stats.tile_stats`: the queries (resident: all of them; streamed: a ring
         of query chunks), the key ring, one statistics buffer per consumer, and the
         barriers (resident: queries ready, per consumer and slot a chunk ready, per slot
-        the slot free; streamed: per slot, the slot ready and the slot free, and with
-        `stagger` consumer 1's start)."""
+        the slot free; streamed: per slot, the slot ready and the slot free, with
+        `stagger` consumer 1's start, with `ordered_stats` consumer 1's turn)."""
         geom = self.geom
         keys = self.stages * self.block_k * self.block_d * itemsize
         stats = CONSUMERS * self.stat_planes * WGMMA_ROWS * STAT_BYTES
         if self.queries == "streamed":
             queries = self.stages * self.rows * self.block_d * itemsize
-            barriers = 2 * self.stages + self.stagger
+            barriers = 2 * self.stages + self.stagger + self.ordered_stats
         else:
             queries = self.rows * geom.stride * geom.head_dim * itemsize
             barriers = 1 + CONSUMERS * self.stages + self.stages
@@ -501,7 +517,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   page_size: int | None = None, max_scratch_bytes: int | None = None,
                   call_rows: int | None = None, key_groups: int | None = None,
                   persistent: bool | None = None,
-                  head_group: int | None = None) -> EstimatePlan:
+                  head_group: int | None = None,
+                  ordered_stats: bool | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
@@ -516,12 +533,15 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     most the key tiles; cluster 1, no pair_rows) and persistent (a persistent grid of
     one CTA per SM, `device_sms`, at most one per work item: streamed queries, cluster
     1, key_groups 1, no pair_rows) and head_group (the (batch, head) pairs launched
-    interleaved, dividing B x Hq; cluster 1, no persistent grid) override the defaults
+    interleaved, dividing B x Hq; cluster 1, no persistent grid) and ordered_stats
+    (consumer 1's statistics of a tile after consumer 0's, streamed queries, fewer
+    stages than a key tile's steps) override the defaults
     (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
     multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
-    allows it, and the rule of `EstimatePlan.launch_group`. leave_out: a timing variant
+    allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
+    streamed queries in non-causal calls whose ring is shorter than a key tile's steps. leave_out: a timing variant
     (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -545,6 +565,12 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if stagger and queries != "streamed":
         raise ValueError("stagger needs queries='streamed' (the resident queries' "
                          f"consumers take the key tiles in turns); got {queries!r}")
+    default_order = ordered_stats is None
+    if default_order:
+        ordered_stats = ORDERED_STATS and queries == "streamed" and not causal
+    if ordered_stats and queries != "streamed":
+        raise ValueError("ordered_stats needs queries='streamed' (both consumers compute "
+                         f"every key tile); got {queries!r}")
     if key_groups is not None and (key_groups < 1 or (key_groups > 1
                                                       and (cluster > 1 or pair_rows))):
         raise ValueError(f"key_groups must be at least 1, and 1 with a cluster or pair_rows "
@@ -561,10 +587,19 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if stages is None:
         fits = [n for n in range(MIN_STAGES, MAX_STAGES + 1)
                 if EstimatePlan(geom, block_k, BLOCK_D, n, cluster, queries=queries,
-                                stagger=stagger).smem_bytes(itemsize) <= SMEM_BYTES]
+                                stagger=stagger, ordered_stats=bool(ordered_stats)
+                                ).smem_bytes(itemsize) <= SMEM_BYTES]
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
+    steps = geom.stride * (geom.head_dim // BLOCK_D)  # `EstimatePlan.steps_per_tile`
+    if ordered_stats and stages >= steps:
+        if not default_order:
+            raise ValueError(f"ordered_stats needs fewer stages than the {steps} steps of "
+                             f"a key tile (consumer 0 then cannot finish a second tile's "
+                             f"statistics before consumer 1 waits for the first's); got "
+                             f"stages {stages}")
+        ordered_stats = False
     grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
                   and not pair_rows)
     if persistent is None:
@@ -576,7 +611,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
-                        head_group=head_group or 0)
+                        head_group=head_group or 0, ordered_stats=bool(ordered_stats))
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
         key_groups = _causal_key_groups(plan)
         plan = dataclasses.replace(plan, key_groups=key_groups)

@@ -29,7 +29,14 @@ consumers reading it released it. Two layouts of the queries (`plan.queries`):
   slot (its free barrier counts two arrivals). Both reach their statistics together,
   which the tensor cores wait for while the ring fills; with `plan.stagger`, consumer 1
   waits until consumer 0 has issued `plan.lag_steps` steps of its first tile (a barrier
-  arrived on once), and the shared ring keeps it at most `stages` steps behind.
+  arrived on once), and the shared ring keeps it at most `stages` steps behind. With
+  `plan.ordered_stats`, consumer 1 starts a tile's statistics only once consumer 0 has
+  stored its own (the turn barrier, arrived on once per tile by consumer 0 and waited
+  on once per tile by consumer 1, which walk the same tiles): the two then never
+  compute statistics at once, and one's run while the other multiplies. Consumer 0
+  cannot arrive for the next tile before consumer 1 has waited: its last step needs a
+  slot consumer 1 frees only in that next tile, the ring being shorter than a tile's
+  steps (`estimate_plan`).
 
 Paired row tiles (`plan.pair_rows`, streamed queries, causal calls only: a non-causal
 call's row tiles all walk every key tile, and it runs one per CTA): the CTA with index g
@@ -277,7 +284,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     scalars int32 [2] (the keys in use, whole stride groups; the call's first reshaped
     query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles, stat_planes,
     rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with the streamed
-    queries, lead None without stagger); scale: A' = product x scale. The scalars are
+    queries, lead None without stagger, turn None without ordered_stats); scale: A' = product x scale. The scalars are
     read only where they vary: the keys with `keys_in_use` (else all k_cols columns),
     the first row in row steps (else 0), so that a whole call of all keys runs with
     static bounds."""
@@ -286,7 +293,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     tail_ref = refs.pop(0) if keys_in_use else None
     cells_ref = refs.pop(0) if plan.compacted(causal) else None
     (scalars_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready, free,
-     lead) = refs
+     lead, turn) = refs
     geom = plan.geom
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
@@ -295,7 +302,6 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     cols = geom.k_cols  # key columns in use
     if keys_in_use:
         cols = lax.div(scalars_ref[0], jnp.int32(geom.stride))
-        tail = tail_tile(plan, cols)  # its key chunks come from tail_ref
     first_row = 0
     if plan.call_rows:
         # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
@@ -372,6 +378,11 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     product(None)
                     a = plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
                                           plgpu.Layout.WGMMA)
+                if plan.ordered_stats:  # consumer 0's statistics of the tile first
+                    @pl.when(wg == 1)
+                    def _():
+                        plgpu.barrier_wait(turn)
+
                 if masked:
                     a = jnp.where(_seen(shape, tile * bk, cols, query_row + geom.row_offset
                                         if causal else None), a, -jnp.inf)
@@ -393,6 +404,10 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
                                                           pl.ds(own_row0, WGMMA_ROWS)])
+                if plan.ordered_stats:
+                    @pl.when(wg == 0)
+                    def _():
+                        plgpu.barrier_arrive(turn)
                 return carry
 
             lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
@@ -467,7 +482,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             if tail_ref is None:
                 load(0, num_tiles, key_chunk)
             else:  # no tile past the tail's is visible: it is the last one walked, if any
-                from_k = jnp.clip(tail - lo, 0, num_tiles)
+                from_k = jnp.clip(tail_tile(plan, cols) - lo, 0, num_tiles)
                 load(0, from_k, key_chunk)
                 load(from_k, num_tiles, tail_chunk)
 
@@ -483,7 +498,8 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
     """The kernel's scratch (`EstimatePlan.smem_bytes` counts it): queries (resident:
     `[S x head_parts, 64, block_d]`; streamed: a ring `[stages, 128, block_d]`), the key
     ring `[stages, block_k, block_d]`, statistics `[CONSUMERS, stat_planes, 64]` float32,
-    and the barriers q_ready (resident only), ready, free and lead (stagger only)."""
+    and the barriers q_ready (resident only), ready, free, lead (stagger only) and turn
+    (ordered_stats only)."""
     transforms = _tile_transforms(dtype)
     keys = plgpu.SMEM((plan.stages, plan.block_k, plan.block_d), dtype,
                       transforms=transforms)
@@ -505,6 +521,8 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
             plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
             free,
             plgpu.Barrier() if plan.stagger else None,  # lead: consumer 1 may start
+            # turn: consumer 0 has stored a tile's statistics
+            plgpu.Barrier() if plan.ordered_stats else None,
         )
     chunks = plan.geom.stride * plan.head_parts
     return (
@@ -514,6 +532,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
         plgpu.Barrier(num_barriers=CONSUMERS * plan.stages),  # ready, per consumer
         free,
         None,  # lead
+        None,  # turn
     )
 
 
