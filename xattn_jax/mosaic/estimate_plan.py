@@ -541,8 +541,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
     allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
-    streamed queries in non-causal calls whose ring is shorter than a key tile's steps. leave_out: a timing variant
-    (LEAVE_OUT).
+    streamed queries in non-causal calls whose ring is shorter than a key tile's steps.
+    leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
     queries = QUERIES if queries is None else queries
@@ -592,14 +592,6 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         stages = fits[-1] if fits else MIN_STAGES
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
-    steps = geom.stride * (geom.head_dim // BLOCK_D)  # `EstimatePlan.steps_per_tile`
-    if ordered_stats and stages >= steps:
-        if not default_order:
-            raise ValueError(f"ordered_stats needs fewer stages than the {steps} steps of "
-                             f"a key tile (consumer 0 then cannot finish a second tile's "
-                             f"statistics before consumer 1 waits for the first's); got "
-                             f"stages {stages}")
-        ordered_stats = False
     grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
                   and not pair_rows)
     if persistent is None:
@@ -612,6 +604,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
                         head_group=head_group or 0, ordered_stats=bool(ordered_stats))
+    if plan.ordered_stats and plan.stages >= plan.steps_per_tile:
+        if not default_order:
+            raise ValueError(f"ordered_stats needs fewer stages than the "
+                             f"{plan.steps_per_tile} steps of a key tile (consumer 0 then "
+                             f"cannot finish a second tile's statistics before consumer 1 "
+                             f"waits for the first's); got stages {stages}")
+        plan = dataclasses.replace(plan, ordered_stats=False)
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
         key_groups = _causal_key_groups(plan)
         plan = dataclasses.replace(plan, key_groups=key_groups)
