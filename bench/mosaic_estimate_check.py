@@ -2,15 +2,16 @@
 
     python -m bench.mosaic_estimate_check [--queries resident,streamed]
         [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger 0,1]
-        [--pair-rows 0,1] [--cases causal-32k,...] [--skip-check] [--skip-time]
-        [--no-smoke] [--ptxas]
+        [--pair-rows 0,1] [--ordered-stats 0,1] [--cases causal-32k,...]
+        [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
 A whole run may take more than 10 minutes (compilations: every case and variant is a
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
-(--queries / --block-k / --stages / --cluster / --stagger / --pair-rows: plan variants,
-each a comma-separated list, checked and timed in every combination (`estimate_plan.
-estimate_plan`; options equal to their layout's default are folded away; a combination
+(--queries / --block-k / --stages / --cluster / --stagger / --pair-rows /
+--ordered-stats: plan variants, each a comma-separated list, checked and timed in every
+combination (`estimate_plan.estimate_plan`; options equal to their layout's default are
+folded away, except ordered_stats, whose default depends on the call; a combination
 the plan refuses at causal-64k, e.g. a stagger with the resident queries, prints its
 error once and is dropped); the default plan always runs first, and is not
 repeated as a variant. Default --queries resident,streamed: both layouts of the queries run
@@ -282,7 +283,10 @@ def _flags(text: str | None) -> list[bool | None]:
     return [None if x is None else bool(x) for x in _ints(text)]
 
 
-VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger", "pair_rows")
+# ordered_stats has no default here: it depends on the call (on in non-causal ones), so
+# a value given is always timed as a variant
+VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger", "pair_rows",
+                "ordered_stats")
 
 
 def default_options(queries: str) -> dict:
@@ -295,11 +299,12 @@ def default_options(queries: str) -> dict:
 
 
 def plan_variants(layouts, block_k, stages, cluster, stagger=(None,),
-                  pair_rows=(None,)) -> list[dict]:
+                  pair_rows=(None,), ordered_stats=(None,)) -> list[dict]:
     """Every combination of the given values as plan options, without the options the
     default plan of its layout has anyway, each once, the default plan itself left out."""
     variants = []
-    for values in itertools.product(layouts, block_k, stages, cluster, stagger, pair_rows):
+    for values in itertools.product(layouts, block_k, stages, cluster, stagger, pair_rows,
+                                    ordered_stats):
         defaults = default_options(values[0] or estimate_plan.QUERIES)
         options = {key: value for key, value in zip(VARIANT_KEYS, values)
                    if value is not None and defaults.get(key) != value}
@@ -321,6 +326,10 @@ def main() -> None:
     parser.add_argument("--pair-rows",
                         help="comma-separated pair_rows values to try (0, 1): two row "
                              "tiles per CTA in causal calls, streamed queries only")
+    parser.add_argument("--ordered-stats",
+                        help="comma-separated ordered_stats values to try (0, 1): consumer "
+                             "1's statistics of a tile after consumer 0's, streamed "
+                             "queries only")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -344,7 +353,7 @@ def main() -> None:
     layouts = [{}] + plan_variants(queries, [None], [None], [None])
     variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
                              _ints(args.cluster), _flags(args.stagger),
-                             _flags(args.pair_rows))
+                             _flags(args.pair_rows), _flags(args.ordered_stats))
     variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "
