@@ -584,14 +584,29 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         raise ValueError(f"block_k must divide a page's {page_size // geom.stride} reshaped "
                          f"columns (a key tile in one page); got {block_k}")
     itemsize = jnp.dtype(dtype).itemsize
-    if stages is None:
+
+    def deepest(ordered: bool) -> int:
+        """The most stages, at most MAX_STAGES, whose shared memory fits."""
         fits = [n for n in range(MIN_STAGES, MAX_STAGES + 1)
                 if EstimatePlan(geom, block_k, BLOCK_D, n, cluster, queries=queries,
-                                stagger=stagger, ordered_stats=bool(ordered_stats)
+                                stagger=stagger, ordered_stats=ordered
                                 ).smem_bytes(itemsize) <= SMEM_BYTES]
-        stages = fits[-1] if fits else MIN_STAGES
+        return fits[-1] if fits else MIN_STAGES
+
+    deepest_ring = stages is None
+    if deepest_ring:
+        stages = deepest(bool(ordered_stats))
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
+    steps = EstimatePlan(geom, block_k, BLOCK_D, stages).steps_per_tile
+    if ordered_stats and stages >= steps:
+        if not default_order:
+            raise ValueError(f"ordered_stats needs fewer stages than the {steps} steps of "
+                             f"a key tile (consumer 0 then cannot finish a second tile's "
+                             f"statistics before consumer 1 waits for the first's); got "
+                             f"stages {stages}")
+        ordered_stats = False  # and its barrier's room goes back to the ring
+        stages = deepest(False) if deepest_ring else stages
     grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
                   and not pair_rows)
     if persistent is None:
@@ -604,13 +619,6 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
                         head_group=head_group or 0, ordered_stats=bool(ordered_stats))
-    if plan.ordered_stats and plan.stages >= plan.steps_per_tile:
-        if not default_order:
-            raise ValueError(f"ordered_stats needs fewer stages than the "
-                             f"{plan.steps_per_tile} steps of a key tile (consumer 0 then "
-                             f"cannot finish a second tile's statistics before consumer 1 "
-                             f"waits for the first's); got stages {stages}")
-        plan = dataclasses.replace(plan, ordered_stats=False)
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
         key_groups = _causal_key_groups(plan)
         plan = dataclasses.replace(plan, key_groups=key_groups)
