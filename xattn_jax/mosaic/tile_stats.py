@@ -285,9 +285,9 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles, stat_planes,
     rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with the streamed
     queries, lead None without stagger, turn None without ordered_stats); scale: A' =
-    product x scale. The scalars are read only where they vary: the keys with `keys_in_use` (else all k_cols columns),
-    the first row in row steps (else 0), so that a whole call of all keys runs with
-    static bounds."""
+    product x scale. The scalars are read only where they vary: the keys with
+    `keys_in_use` (else all k_cols columns), the first row in row steps (else 0), so
+    that a whole call of all keys runs with static bounds."""
     refs = list(refs)
     table_ref = refs.pop(0) if plan.page_size else None
     tail_ref = refs.pop(0) if keys_in_use else None
