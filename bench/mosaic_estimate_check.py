@@ -2,14 +2,15 @@
 
     python -m bench.mosaic_estimate_check [--queries resident,streamed]
         [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger 0,1]
-        [--pair-rows 0,1] [--ordered-stats 0,1] [--cases causal-32k,...]
+        [--pair-rows 0,1] [--ordered-stats 0,1] [--trim-columns 0,32]
+        [--cases causal-32k,...]
         [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
 A whole run may take more than 10 minutes (compilations: every case and variant is a
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
 (--queries / --block-k / --stages / --cluster / --stagger / --pair-rows /
---ordered-stats: plan variants, each a comma-separated list, checked and timed in every
+--ordered-stats / --trim-columns: plan variants, each a comma-separated list, checked and timed in every
 combination (`estimate_plan.estimate_plan`; options equal to their layout's default are
 folded away, except ordered_stats, whose default depends on the call; a combination
 the plan refuses at causal-64k, e.g. a stagger with the resident queries, prints its
@@ -286,7 +287,7 @@ def _flags(text: str | None) -> list[bool | None]:
 # ordered_stats has no default here: it depends on the call (on in non-causal ones), so
 # a value given is always timed as a variant
 VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger", "pair_rows",
-                "ordered_stats")
+                "ordered_stats", "trim_columns")
 
 
 def default_options(queries: str) -> dict:
@@ -295,16 +296,19 @@ def default_options(queries: str) -> dict:
     return {"queries": estimate_plan.QUERIES, "block_k": estimate_plan.BLOCK_K[queries],
             "cluster": estimate_plan.CLUSTER,
             "stagger": estimate_plan.default_stagger(queries),
-            "pair_rows": estimate_plan.PAIR_ROWS}
+            "pair_rows": estimate_plan.PAIR_ROWS,
+            "trim_columns": min(estimate_plan.TRIM_COLUMNS,
+                                estimate_plan.BLOCK_K[queries])}
 
 
 def plan_variants(layouts, block_k, stages, cluster, stagger=(None,),
-                  pair_rows=(None,), ordered_stats=(None,)) -> list[dict]:
+                  pair_rows=(None,), ordered_stats=(None,),
+                  trim_columns=(None,)) -> list[dict]:
     """Every combination of the given values as plan options, without the options the
     default plan of its layout has anyway, each once, the default plan itself left out."""
     variants = []
     for values in itertools.product(layouts, block_k, stages, cluster, stagger, pair_rows,
-                                    ordered_stats):
+                                    ordered_stats, trim_columns):
         defaults = default_options(values[0] or estimate_plan.QUERIES)
         options = {key: value for key, value in zip(VARIANT_KEYS, values)
                    if value is not None and defaults.get(key) != value}
@@ -330,6 +334,9 @@ def main() -> None:
                         help="comma-separated ordered_stats values to try (0, 1): consumer "
                              "1's statistics of a tile after consumer 0's, streamed "
                              "queries only")
+    parser.add_argument("--trim-columns",
+                        help="comma-separated trim_columns values to try (0: masked key "
+                             "tiles computed whole)")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -353,7 +360,8 @@ def main() -> None:
     layouts = [{}] + plan_variants(queries, [None], [None], [None])
     variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
                              _ints(args.cluster), _flags(args.stagger),
-                             _flags(args.pair_rows), _flags(args.ordered_stats))
+                             _flags(args.pair_rows), _flags(args.ordered_stats),
+                             _ints(args.trim_columns))
     variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "

@@ -134,6 +134,18 @@ def test_plan_defaults_fit_and_overrides_are_checked():
                                        jnp.bfloat16, block_k=64, stages=3).ordered_stats
     with pytest.raises(ValueError, match="ordered_stats needs fewer stages than the 2"):
         estimate_plan.estimate_plan(short, jnp.bfloat16, block_k=64, ordered_stats=True)
+    # masked tiles trimmed to the columns a consumer's rows see, in steps of 64 columns
+    # by default (at most the tile); 0 keeps them whole; a step must divide the tile and
+    # be whole wgmma column tiles
+    assert (plan.trim_columns, plan.masked_widths) == (64, (64, 128, 192, 256))
+    assert estimate_plan.estimate_plan(short, jnp.bfloat16, block_k=64).masked_widths == (64,)
+    whole = estimate_plan.estimate_plan(geom, jnp.bfloat16, trim_columns=0)
+    assert whole.masked_widths == (256,)
+    assert estimate_plan.estimate_plan(geom, jnp.bfloat16,
+                                       trim_columns=32).masked_widths[:2] == (32, 64)
+    for bad in (48, 12, -8, 512):
+        with pytest.raises(ValueError, match="trim_columns must be 0 or a divisor of block_k"):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, trim_columns=bad)
 
 
 def test_pair_rows_plan_and_refusals():
@@ -565,6 +577,8 @@ LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepes
     ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "block_k": 256}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "stagger": False}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "ordered_stats": True}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "trim_columns": 32}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "trim_columns": 0}),
 ]
 LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
     # unstaggered; a non-causal call (which ignores the flag)
@@ -729,6 +743,13 @@ INTERPRET_CASES = [
       "ordered_stats": True}),
     (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
      {"block_k": 64, "stages": 3, "queries": "streamed", "ordered_stats": False}),
+    # masked tiles trimmed: widths of 32 up to 256 on the diagonal; Lq < Lk, where a
+    # consumer's rows may see none of a tile its row tile sees; whole masked tiles
+    (1, 2, 1, 600, 600, 64, 2, 32, True, 1.0,
+     {"block_k": 256, "queries": "streamed", "trim_columns": 32}),
+    (1, 2, 1, 300, 684, 64, 2, 64, True, 1.0, {"block_k": 256, "queries": "streamed"}),
+    (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0,
+     {"block_k": 128, "queries": "streamed", "trim_columns": 0}),
 ]
 
 

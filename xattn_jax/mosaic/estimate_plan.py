@@ -95,6 +95,15 @@ ORDERED_STATS = True
 # H200 (mosaic_estimate_h200.md, session 11, kernel alone: causal 32K 1.33 against 1.15
 # ms, 64K 4.88 against 4.24; GQA 64K 4.26 against 4.38, within the run's spread)
 PAIR_ROWS = False
+# A consumer's masked key tile (`EstimatePlan.trim_columns`) is multiplied and summed only
+# up to the last column its rows see, in steps of this many columns: in a causal call
+# with Lq = Lk at block_k 256, a consumer's diagonal tile then holds 64, 128, 192 or 256
+# columns, leaving out 4.4% of causal 32K's products. H200, kernel alone, medians of 5
+# rotating rounds, whole tiles / steps of 64 / of 32 (session 20): causal 32K block 128
+# 1.0284 / 1.0117 / 0.9979 ms, 64K 3.8552 / 3.7735 / 3.7836, GQA 32:8 64K 3.8249 /
+# 3.7471, 32K block 64 1.0567 / 1.0401, 16K block 4096 0.2915 / 0.2732; block sums
+# bit-identical. 64 (4 kernel variants of a masked tile at block_k 256, not 8).
+TRIM_COLUMNS = 64
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
@@ -213,7 +222,10 @@ class EstimatePlan(UnitSums):
     the (batch, query head) pairs whose CTAs launch interleaved (a divisor of B x Hq;
     cluster 1, no persistent grid); ordered_stats (streamed queries, fewer stages than
     `steps_per_tile`): consumer 1 computes each key tile's statistics after consumer 0
-    has stored its own.
+    has stored its own; trim_columns: 0, or a divisor of block_k (a multiple of
+    COLUMN_TILE): a consumer's masked key tile (its causal diagonal, the end of the keys)
+    is multiplied and summed only over its first columns up to the last its rows see,
+    rounded up to a multiple of trim_columns (`masked_widths`), the rest being unseen.
     """
 
     geom: Geometry
@@ -231,6 +243,14 @@ class EstimatePlan(UnitSums):
     persistent_ctas: int = 0
     head_group: int = 0
     ordered_stats: bool = False
+    trim_columns: int = 0
+
+    @property
+    def masked_widths(self) -> tuple[int, ...]:
+        """The widths a consumer's masked key tile may be computed at (`trim_columns`):
+        trim_columns, 2 trim_columns, .. block_k; (block_k,) without trimming."""
+        step = self.trim_columns or self.block_k
+        return tuple(range(step, self.block_k + 1, step))
 
     @property
     def pairs(self) -> int:
@@ -518,7 +538,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   call_rows: int | None = None, key_groups: int | None = None,
                   persistent: bool | None = None,
                   head_group: int | None = None,
-                  ordered_stats: bool | None = None) -> EstimatePlan:
+                  ordered_stats: bool | None = None,
+                  trim_columns: int | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
@@ -535,13 +556,15 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     1, key_groups 1, no pair_rows) and head_group (the (batch, head) pairs launched
     interleaved, dividing B x Hq; cluster 1, no persistent grid) and ordered_stats
     (consumer 1's statistics of a tile after consumer 0's, streamed queries, fewer
-    stages than a key tile's steps) override the defaults
+    stages than a key tile's steps) and trim_columns (0, or a divisor of block_k and
+    multiple of COLUMN_TILE) override the defaults
     (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
     multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
     allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
-    streamed queries in non-causal calls whose ring is shorter than a key tile's steps.
+    streamed queries in non-causal calls whose ring is shorter than a key tile's steps,
+    TRIM_COLUMNS (at most block_k).
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -583,6 +606,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if page_size is not None and page_size % (block_k * geom.stride):
         raise ValueError(f"block_k must divide a page's {page_size // geom.stride} reshaped "
                          f"columns (a key tile in one page); got {block_k}")
+    if trim_columns is None:
+        trim_columns = min(TRIM_COLUMNS, block_k)
+    if trim_columns and (trim_columns < 0 or trim_columns % COLUMN_TILE
+                         or block_k % trim_columns):
+        raise ValueError(f"trim_columns must be 0 or a divisor of block_k {block_k} that is "
+                         f"a multiple of {COLUMN_TILE} (the wgmma's column grain); got "
+                         f"{trim_columns}")
     itemsize = jnp.dtype(dtype).itemsize
 
     def deepest(ordered: bool) -> int:
@@ -618,7 +648,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
-                        head_group=head_group or 0, ordered_stats=bool(ordered_stats))
+                        head_group=head_group or 0, ordered_stats=bool(ordered_stats),
+                        trim_columns=trim_columns)
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
         key_groups = _causal_key_groups(plan)
         plan = dataclasses.replace(plan, key_groups=key_groups)

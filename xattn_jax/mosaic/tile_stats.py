@@ -65,7 +65,9 @@ units:
 stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]) through a shared
 memory buffer and TMA. Only tiles holding a column some of the consumer's rows do not
 see (past the keys, or after its first row's causal diagonal) come last and are masked
-per element. Tiles no row of the row tile sees are neither computed nor stored
+per element; such a tile is multiplied and summed only over its first columns, up to
+the last one its rows see rounded up to a width of `plan.masked_widths` (one variant of
+the tile's code per width, chosen per tile; later units' sums are 0). Tiles no row of the row tile sees are neither computed nor stored
 (`estimate_plan.visible_tiles`: the caller fills them).
 
 Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
@@ -144,6 +146,7 @@ PERSISTENT_AXIS = "ctas"
 PAIR_AXIS = "pairs"  # (batch, query head) pairs: batch x Hq + head
 GROUP_AXIS = "pair_groups"  # launch groups of pairs (`EstimatePlan.launch_group`)
 ROW_AXIS = "row_groups"
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a consumer's scores
 
 
 def _grid(plan: EstimatePlan, causal: bool) -> dict[str, int]:
@@ -267,7 +270,7 @@ def _seen(shape, first_column, cols, diagonal):
     bound = cols - first_column  # columns c < bound
     if diagonal is not None:
         rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0,
-                                      layout=plgpu.Layout.WGMMA.reduce(1))
+                                      layout=ROW_LAYOUT)
         bound = lax.broadcast_in_dim(jnp.minimum(rows + (diagonal + 1 - first_column), bound),
                                      shape, [0])
     columns = plgpu.broadcasted_iota(jnp.int32, shape[1:], 0,
@@ -297,6 +300,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     geom = plan.geom
     bk, bd, stages, parts = plan.block_k, plan.block_d, plan.stages, plan.head_parts
     steps, unit, units = plan.steps_per_tile, plan.unit, plan.units_per_tile
+    widths = plan.masked_widths
     streamed = plan.queries == "streamed"
     wg = lax.axis_index(WG_AXIS)
     cols = geom.k_cols  # key columns in use
@@ -349,15 +353,34 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     def _():
                         plgpu.barrier_wait(lead)
 
+                if not masked or len(widths) == 1:
+                    tile_at_width(tile, first_step, bk, masked=masked)
+                    return carry
+                # the columns up to the last one the consumer's rows see, in whole widths
+                seen = cols - tile * bk
+                if causal:
+                    seen = jnp.minimum(seen, query_row + (geom.row_offset + WGMMA_ROWS)
+                                       - tile * bk)
+                index = jnp.clip(lax.div(seen + (widths[0] - 1), jnp.int32(widths[0])) - 1,
+                                 0, len(widths) - 1)
+                for i, width in enumerate(widths):
+                    pl.when(index == i)(functools.partial(
+                        tile_at_width, tile, first_step, width, masked=True))
+                return carry
+
+            def tile_at_width(tile, first_step, width, *, masked: bool):
+                """Key tile `tile` (its steps from the CTA's `first_step` on): the products
+                and statistics of its first `width` columns (the rest unseen), stored."""
                 def product(acc_ref):
                     for step in range(steps):  # static: the resident queries' chunk index
                         slot = lax.rem(first_step + step, jnp.int32(stages))
                         plgpu.barrier_wait(ready.at[own_ready + slot])
                         if multiply:
-                            plgpu.wgmma(acc_ref, queries(step, slot),
-                                        k_smem.at[slot].transpose((1, 0)))
+                            keys = (k_smem.at[slot] if width == bk else
+                                    k_smem.at[slot, pl.ds(0, width)])
+                            plgpu.wgmma(acc_ref, queries(step, slot), keys.transpose((1, 0)))
                         if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
-                            @pl.when((wg == 0) & (walked + walked_here == 0))
+                            @pl.when((wg == 0) & (first_step == 0))
                             def _():
                                 plgpu.barrier_arrive(lead)
                         if step:  # the step before has finished reading its slot
@@ -371,7 +394,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                         free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
                     return acc_ref[...] if multiply else None
 
-                shape = (WGMMA_ROWS, bk)
+                shape = (WGMMA_ROWS, width)
                 if multiply:
                     a = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
                 else:  # the chunks are waited for and released all the same
@@ -394,13 +417,17 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row seeing nothing: x = 0
                     p = jnp.exp2(a * jnp.float32(scale)
                                  - lax.broadcast_in_dim(shift, a.shape, [0]))
-                    sums = [p[:, u * unit:(u + 1) * unit].sum(axis=1) for u in range(units)]
+                    # units past the width: no column seen, x = 0
+                    sums = [p[:, u * unit:min((u + 1) * unit, width)].sum(axis=1)
+                            if u * unit < width else None for u in range(units)]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last copy read it
                 out.at[0][...] = m
                 for u, x in enumerate(sums):
-                    out.at[1 + u][...] = x
+                    out.at[1 + u][...] = (plgpu.layout_cast(jnp.zeros_like(m), ROW_LAYOUT)
+                                          if x is None else x)
                 if len(sums) > 1:
-                    out.at[1 + units][...] = functools.reduce(jnp.add, sums)
+                    out.at[1 + units][...] = functools.reduce(
+                        jnp.add, [x for x in sums if x is not None])
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
                                                           pl.ds(own_row0, WGMMA_ROWS)])
@@ -408,7 +435,6 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     @pl.when(wg == 0)
                     def _():
                         plgpu.barrier_arrive(turn)
-                return carry
 
             lax.fori_loop(0, plain, functools.partial(one_tile, masked=False), None)
             lax.fori_loop(plain, own_tiles, functools.partial(one_tile, masked=True), None)
