@@ -134,10 +134,10 @@ def test_plan_defaults_fit_and_overrides_are_checked():
                                        jnp.bfloat16, block_k=64, stages=3).ordered_stats
     with pytest.raises(ValueError, match="ordered_stats needs fewer stages than the 2"):
         estimate_plan.estimate_plan(short, jnp.bfloat16, block_k=64, ordered_stats=True)
-    # masked tiles trimmed to the columns a consumer's rows see, in steps of 64 columns
+    # masked tiles trimmed to the columns a consumer's rows see, in steps of 128 columns
     # by default (at most the tile); 0 keeps them whole; a step must divide the tile and
     # be whole wgmma column tiles
-    assert (plan.trim_columns, plan.masked_widths) == (64, (64, 128, 192, 256))
+    assert (plan.trim_columns, plan.masked_widths) == (128, (128, 256))
     assert estimate_plan.estimate_plan(short, jnp.bfloat16, block_k=64).masked_widths == (64,)
     whole = estimate_plan.estimate_plan(geom, jnp.bfloat16, trim_columns=0)
     assert whole.masked_widths == (256,)

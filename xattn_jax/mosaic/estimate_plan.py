@@ -96,14 +96,15 @@ ORDERED_STATS = True
 # ms, 64K 4.88 against 4.24; GQA 64K 4.26 against 4.38, within the run's spread)
 PAIR_ROWS = False
 # A consumer's masked key tile (`EstimatePlan.trim_columns`) is multiplied and summed only
-# up to the last column its rows see, in steps of this many columns: in a causal call
-# with Lq = Lk at block_k 256, a consumer's diagonal tile then holds 64, 128, 192 or 256
-# columns, leaving out 4.4% of causal 32K's products. H200, kernel alone, medians of 5
-# rotating rounds, whole tiles / steps of 64 / of 32 (session 20): causal 32K block 128
-# 1.0284 / 1.0117 / 0.9979 ms, 64K 3.8552 / 3.7735 / 3.7836, GQA 32:8 64K 3.8249 /
-# 3.7471, 32K block 64 1.0567 / 1.0401, 16K block 4096 0.2915 / 0.2732; block sums
-# bit-identical. 64 (4 kernel variants of a masked tile at block_k 256, not 8).
-TRIM_COLUMNS = 64
+# up to the last column its rows see, rounded up to a multiple of this many columns. In
+# a causal call with Lq = Lk at block_k 256, a consumer's diagonal tile holds 64, 128,
+# 192 or 256 seen columns; consumer 1's (128 or 256) bound a CTA's time, so 128 takes
+# most of the gain with one copy of the tile's code more (64: three). H200, kernel
+# alone, medians of 7 rotating rounds, whole tiles / 128 / 64 (session 20, call 5):
+# causal 32K block 128 1.0222 / 1.0047 / 0.9968 ms, 64K 3.8321 / 3.8063 / 3.7933, 16K
+# block 4096 0.2869 / 0.2783 / 0.2746; the kernel's first call (build and one run)
+# 9.9-13.2 / 9.0-9.2 / 15.2-15.6 s; block sums bit-identical (mosaic_estimate_h200.md).
+TRIM_COLUMNS = 128
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
@@ -564,7 +565,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
     allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
     streamed queries in non-causal calls whose ring is shorter than a key tile's steps,
-    TRIM_COLUMNS (at most block_k).
+    gcd(TRIM_COLUMNS, block_k).
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -607,7 +608,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         raise ValueError(f"block_k must divide a page's {page_size // geom.stride} reshaped "
                          f"columns (a key tile in one page); got {block_k}")
     if trim_columns is None:
-        trim_columns = min(TRIM_COLUMNS, block_k)
+        trim_columns = math.gcd(TRIM_COLUMNS, block_k)
     if trim_columns and (trim_columns < 0 or trim_columns % COLUMN_TILE
                          or block_k % trim_columns):
         raise ValueError(f"trim_columns must be 0 or a divisor of block_k {block_k} that is "
