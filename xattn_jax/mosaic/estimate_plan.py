@@ -36,6 +36,10 @@ per key tile):
   whether a call is causal: a non-causal call, whose row tiles all walk every key
   tile, ignores the flag (one row tile per CTA).
 
+In either layout, a consumer's masked key tile (its causal diagonal, or the end of the
+keys in use) is multiplied and summed only up to the last column its rows see, in steps
+of `trim_columns` (`masked_widths`; TRIM_COLUMNS).
+
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
 steps of every head, `call_rows`, where its statistics would exceed MAX_SCRATCH_BYTES
