@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import math
 import os
 import subprocess
 import sys
@@ -298,8 +297,8 @@ def default_options(queries: str) -> dict:
             "cluster": estimate_plan.CLUSTER,
             "stagger": estimate_plan.default_stagger(queries),
             "pair_rows": estimate_plan.PAIR_ROWS,
-            "trim_columns": math.gcd(estimate_plan.TRIM_COLUMNS,
-                                     estimate_plan.BLOCK_K[queries])}
+            "trim_columns": estimate_plan.default_trim_columns(
+                estimate_plan.BLOCK_K[queries])}
 
 
 def plan_variants(layouts, block_k, stages, cluster, stagger=(None,),

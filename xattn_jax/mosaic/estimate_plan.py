@@ -569,7 +569,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
     allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
     streamed queries in non-causal calls whose ring is shorter than a key tile's steps,
-    gcd(TRIM_COLUMNS, block_k).
+    `default_trim_columns`.
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -612,7 +612,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         raise ValueError(f"block_k must divide a page's {page_size // geom.stride} reshaped "
                          f"columns (a key tile in one page); got {block_k}")
     if trim_columns is None:
-        trim_columns = math.gcd(TRIM_COLUMNS, block_k)
+        trim_columns = default_trim_columns(block_k)
     if trim_columns and (trim_columns < 0 or trim_columns % COLUMN_TILE
                          or block_k % trim_columns):
         raise ValueError(f"trim_columns must be 0 or a divisor of block_k {block_k} that is "
@@ -767,6 +767,12 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     return min(steps, key=lambda rows: (waves(rows), cdiv(extent, rows) * rows, -rows))
 
 
+def default_trim_columns(block_k: int) -> int:
+    """The default plan's `trim_columns` at `block_k`: TRIM_COLUMNS where it divides
+    block_k, else their gcd (block_k 192: 64)."""
+    return math.gcd(TRIM_COLUMNS, block_k)
+
+
 def default_stagger(queries: str) -> bool:
     """Whether the default plan of the `queries` layout staggers its consumers: STAGGER
     with the streamed queries (the resident ones take the key tiles in turns)."""
@@ -778,21 +784,28 @@ def _check_queries(queries: str) -> None:
         raise ValueError(f"queries must be one of {QUERY_LAYOUTS}; got {queries!r}")
 
 
-def visible_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
-    """Key tiles 0 .. n - 1 hold a column some row of the row tile (`plan.rows` rows)
-    starting at `row0` (a Python int, a traced int32 scalar or an int32 array) may see
-    (section 2: column j <= row + (Lk - Lq) / S with causal, j < cols always). cols: the
-    reshaped key columns in use (an int or a traced int32 scalar; default all k_cols).
-    Shared by the kernel (the tiles a CTA computes; with clusters, those of the cluster's
-    last row tile) and the epilogue (which statistics are real)."""
+def seen_columns(plan: EstimatePlan, causal: bool, row0, rows: int, cols=None):
+    """Reshaped key columns 0 .. n - 1 hold every column some of the `rows` rows from
+    `row0` (a Python int, a traced int32 scalar or an int32 array) may see (section 2:
+    column j <= row + (Lk - Lq) / S with causal, j < cols always). cols: the reshaped key
+    columns in use (an int or a traced int32 scalar; default all k_cols). Shared by
+    `visible_tiles` (a row tile's rows) and the kernel (a consumer's rows: the width of
+    its masked tile, `EstimatePlan.masked_widths`)."""
     geom = plan.geom
     row0 = jnp.asarray(row0, jnp.int32)
-    cols = geom.k_cols if cols is None else cols
+    cols = jnp.asarray(geom.k_cols if cols is None else cols, jnp.int32)
     if not causal:
-        return jnp.broadcast_to(_div(jnp.asarray(cols, jnp.int32) + (plan.block_k - 1),
-                                     plan.block_k), row0.shape)
-    seen_cols = jnp.maximum(jnp.minimum(row0 + (plan.rows + geom.row_offset), cols), 0)
-    return _div(seen_cols + (plan.block_k - 1), plan.block_k)
+        return jnp.broadcast_to(cols, row0.shape)
+    return jnp.maximum(jnp.minimum(row0 + (rows + geom.row_offset), cols), 0)
+
+
+def visible_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
+    """Key tiles 0 .. n - 1 hold a column some row of the row tile (`plan.rows` rows)
+    starting at `row0` may see (`seen_columns`). Shared by the kernel (the tiles a CTA
+    computes; with clusters, those of the cluster's last row tile) and the epilogue
+    (which statistics are real)."""
+    return _div(seen_columns(plan, causal, row0, plan.rows, cols) + (plan.block_k - 1),
+                plan.block_k)
 
 
 def tail_tile(plan: EstimatePlan, cols):

@@ -66,8 +66,9 @@ stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]) through
 memory buffer and TMA. Only tiles holding a column some of the consumer's rows do not
 see (past the keys, or after its first row's causal diagonal) come last and are masked
 per element; such a tile is multiplied and summed only over its first columns, up to
-the last one its rows see rounded up to a width of `plan.masked_widths` (one variant of
-the tile's code per width, chosen per tile; later units' sums are 0). Tiles no row of the row tile sees are neither computed nor stored
+the last one its rows see (`estimate_plan.seen_columns`) rounded up to a width of
+`plan.masked_widths` (one variant of the tile's code per width, chosen per tile; later
+units' sums are 0). Tiles no row of the row tile sees are neither computed nor stored
 (`estimate_plan.visible_tiles`: the caller fills them).
 
 Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
@@ -125,8 +126,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
-                                            EstimatePlan, paired_row_tiles, tail_tile,
-                                            unmasked_tiles, visible_tiles,
+                                            EstimatePlan, paired_row_tiles, seen_columns,
+                                            tail_tile, unmasked_tiles, visible_tiles,
                                             walked_cells, work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
@@ -357,10 +358,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     tile_at_width(tile, first_step, bk, masked=masked)
                     return carry
                 # the columns up to the last one the consumer's rows see, in whole widths
-                seen = cols - tile * bk
-                if causal:
-                    seen = jnp.minimum(seen, query_row + (geom.row_offset + WGMMA_ROWS)
-                                       - tile * bk)
+                seen = seen_columns(plan, causal, query_row, WGMMA_ROWS, cols) - tile * bk
                 index = jnp.clip(lax.div(seen + (widths[0] - 1), jnp.int32(widths[0])) - 1,
                                  0, len(widths) - 1)
                 for i, width in enumerate(widths):
