@@ -3,6 +3,7 @@
     python -m bench.mosaic_estimate_check [--queries resident,streamed]
         [--block-k 128,64] [--stages 5,3] [--cluster 1,2,4] [--stagger 0,1]
         [--pair-rows 0,1] [--ordered-stats 0,1] [--trim-columns 0,32]
+        [--step-loop 0,1]
         [--cases causal-32k,...]
         [--skip-check] [--skip-time] [--no-smoke] [--ptxas]
 
@@ -10,14 +11,15 @@ A whole run may take more than 10 minutes (compilations: every case and variant 
 new kernel); split it with --skip-time / --skip-check --no-smoke --cases.
 
 (--queries / --block-k / --stages / --cluster / --stagger / --pair-rows /
---ordered-stats / --trim-columns: plan variants, each a comma-separated list, checked and timed in every
-combination (`estimate_plan.estimate_plan`; options equal to their layout's default are
-folded away, except ordered_stats, whose default depends on the call; a combination
-the plan refuses at causal-64k, e.g. a stagger with the resident queries, prints its
-error once and is dropped); the default plan always runs first, and is not
-repeated as a variant. Default --queries resident,streamed: both layouts of the queries run
-(`estimate_plan.QUERY_LAYOUTS`); default --cluster 1,2,4: the multicast variants of
-both layouts run. Every line and table row names the plan's layout. --ptxas: Mosaic
+--ordered-stats / --trim-columns / --step-loop: plan variants, each a comma-separated
+list, checked and timed in every combination (`estimate_plan.estimate_plan`; options
+equal to their layout's default are folded away, except ordered_stats and step_loop,
+whose defaults depend on the call; a combination the plan refuses at causal-64k, e.g. a
+stagger with the resident queries, prints its error once and is dropped); the default
+plan always runs first, and is not repeated as a variant. Default --queries
+resident,streamed: both layouts of the queries run (`estimate_plan.QUERY_LAYOUTS`);
+default --cluster 1,2,4: the multicast variants of both layouts run. Every line and
+table row names the plan's layout. --ptxas: Mosaic
 GPU prints ptxas' report of each kernel: registers, spills.)
 
 1. Smoke: the first check case, with the default plan and with each variant, each in a
@@ -284,10 +286,11 @@ def _flags(text: str | None) -> list[bool | None]:
     return [None if x is None else bool(x) for x in _ints(text)]
 
 
-# ordered_stats has no default here: it depends on the call (on in non-causal ones), so
-# a value given is always timed as a variant
+# ordered_stats and step_loop have no default here: they depend on the call (ordered
+# statistics in non-causal calls, the step loop in causal ones), so a value given is
+# always timed as a variant
 VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger", "pair_rows",
-                "ordered_stats", "trim_columns")
+                "ordered_stats", "trim_columns", "step_loop")
 
 
 def default_options(queries: str) -> dict:
@@ -303,12 +306,12 @@ def default_options(queries: str) -> dict:
 
 def plan_variants(layouts, block_k, stages, cluster, stagger=(None,),
                   pair_rows=(None,), ordered_stats=(None,),
-                  trim_columns=(None,)) -> list[dict]:
+                  trim_columns=(None,), step_loop=(None,)) -> list[dict]:
     """Every combination of the given values as plan options, without the options the
     default plan of its layout has anyway, each once, the default plan itself left out."""
     variants = []
     for values in itertools.product(layouts, block_k, stages, cluster, stagger, pair_rows,
-                                    ordered_stats, trim_columns):
+                                    ordered_stats, trim_columns, step_loop):
         defaults = default_options(values[0] or estimate_plan.QUERIES)
         options = {key: value for key, value in zip(VARIANT_KEYS, values)
                    if value is not None and defaults.get(key) != value}
@@ -337,6 +340,10 @@ def main() -> None:
     parser.add_argument("--trim-columns",
                         help="comma-separated trim_columns values to try (0: masked key "
                              "tiles computed whole)")
+    parser.add_argument("--step-loop",
+                        help="comma-separated step_loop values to try (0: a key tile's "
+                             "steps unrolled; n: a loop unrolled n times), streamed "
+                             "queries only")
     parser.add_argument("--cases", default=",".join(TIMED),
                         help=f"comma-separated timed cases (default {','.join(TIMED)})")
     parser.add_argument("--skip-check", action="store_true")
@@ -361,7 +368,7 @@ def main() -> None:
     variants = plan_variants(queries, _ints(args.block_k), _ints(args.stages),
                              _ints(args.cluster), _flags(args.stagger),
                              _flags(args.pair_rows), _flags(args.ordered_stats),
-                             _ints(args.trim_columns))
+                             _ints(args.trim_columns), _ints(args.step_loop))
     variants = [options for options in variants if options not in layouts]
     started = time.perf_counter()
     print(f"jax {jax.__version__}, devices {jax.devices()}, "

@@ -146,6 +146,21 @@ def test_plan_defaults_fit_and_overrides_are_checked():
     for bad in (48, 12, -8, 512):
         with pytest.raises(ValueError, match="trim_columns must be 0 or a divisor of block_k"):
             estimate_plan.estimate_plan(geom, jnp.bfloat16, trim_columns=bad)
+    # a causal call's key tile multiplies its steps after the first in a loop (unrolled
+    # up to 5 times, a divisor of their count); non-causal calls and the resident queries
+    # unroll them all; a tile of one step has no loop
+    assert (plan.step_loop, causal.step_loop, resident.step_loop) == (0, 5, 0)
+    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 300, 556, 128, 4, 64), jnp.bfloat16,
+                                       causal=True).step_loop == 1  # 8 steps: 7 after
+    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 600, 600, 64, 4, 32), jnp.bfloat16,
+                                       causal=True).step_loop == 3  # 4 steps: 3 after
+    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 600, 600, 64, 1, 32), jnp.bfloat16,
+                                       causal=True).step_loop == 0
+    assert estimate_plan.estimate_plan(geom, jnp.bfloat16, step_loop=15).step_loop == 15
+    for bad, options in ((2, {}), (-1, {}), (1, {"queries": "resident"})):
+        with pytest.raises(ValueError, match="step_loop must be 0, or with queries='streamed'"):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, step_loop=bad,
+                                        **options)
 
 
 def test_pair_rows_plan_and_refusals():
@@ -579,6 +594,8 @@ LOWERING_CASES += [  # streamed only: S 16 at D 128; block_k 256 with its deepes
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "ordered_stats": True}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "trim_columns": 32}),
     ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "trim_columns": 0}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), True, {"queries": "streamed", "step_loop": 0}),
+    ((1, 32, 8, 4096, 4096, 128, 8, 128), False, {"queries": "streamed", "step_loop": 3}),
 ]
 LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
     # unstaggered; a non-causal call (which ignores the flag)
@@ -750,6 +767,14 @@ INTERPRET_CASES = [
     (1, 2, 1, 300, 684, 64, 2, 64, True, 1.0, {"block_k": 256, "queries": "streamed"}),
     (1, 2, 2, 300, 1324, 64, 4, 512, True, 1.0,
      {"block_k": 128, "queries": "streamed", "trim_columns": 0}),
+    # the product's steps: unrolled in a causal call (S 4, D 128: 8 steps), a loop in a
+    # non-causal one (its 7 later steps, and unrolled 7 times: the loop's own unrolling)
+    (1, 2, 1, 300, 556, 128, 4, 64, True, 1.0,
+     {"block_k": 64, "stages": 3, "queries": "streamed", "step_loop": 0}),
+    (1, 2, 1, 300, 556, 128, 4, 64, False, 1.0,
+     {"block_k": 64, "stages": 3, "queries": "streamed", "step_loop": 1}),
+    (1, 2, 1, 190, 251, 128, 4, 32, False, 1.0,
+     {"block_k": 64, "queries": "streamed", "step_loop": 7}),
 ]
 
 

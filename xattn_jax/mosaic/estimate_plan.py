@@ -38,7 +38,9 @@ per key tile):
 
 In either layout, a consumer's masked key tile (its causal diagonal, or the end of the
 keys in use) is multiplied and summed only up to the last column its rows see, in steps
-of `trim_columns` (`masked_widths`; TRIM_COLUMNS).
+of `trim_columns` (`masked_widths`; TRIM_COLUMNS). In causal calls with the streamed
+queries, a consumer runs a key tile's product steps after the first as a loop
+(`step_loop`; CAUSAL_STEP_LOOP), one copy of their code for every masked width.
 
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
@@ -109,6 +111,16 @@ PAIR_ROWS = False
 # block 4096 0.2869 / 0.2783 / 0.2746; the kernel's first call (build and one run)
 # 9.9-13.2 / 9.0-9.2 / 15.2-15.6 s; block sums bit-identical (mosaic_estimate_h200.md).
 TRIM_COLUMNS = 128
+# A causal call's key tile multiplies its steps 1 .. n - 1 in a loop unrolled this many
+# times at most (`EstimatePlan.step_loop`: the largest divisor of n - 1 up to it), not
+# fully unrolled: a causal call holds one copy of a tile's code per masked width, so its
+# kernel took 10 s to build. H200, kernel alone, medians of 7 rotating rounds, unrolled /
+# loop / loop unrolled 5 times (session 21, call 2): causal 32K block 128 1.0048 / 1.0155
+# / 1.0060 ms, 64K 3.7958 / 3.8044 / 3.7640; first call (build and one run) 10.2-10.3 /
+# 3.8-3.9 / 3.8-4.5 s. Non-causal calls stay unrolled: there the loops ran 1-3% slower
+# (32K block 64 1.8626 / 1.9166 / 1.8832, the chunk over 64K 0.4362 / 0.4414 / 0.4451),
+# and the unrolled kernel builds in 4-5 s (mosaic_estimate_h200.md, tuning.md note 39).
+CAUSAL_STEP_LOOP = 5
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
 MIN_STAGES = 2
@@ -230,7 +242,9 @@ class EstimatePlan(UnitSums):
     has stored its own; trim_columns: 0, or a divisor of block_k (a multiple of
     COLUMN_TILE): a consumer's masked key tile (its causal diagonal, the end of the keys)
     is multiplied and summed only over its first columns up to the last its rows see,
-    rounded up to a multiple of trim_columns (`masked_widths`), the rest being unseen.
+    rounded up to a multiple of trim_columns (`masked_widths`), the rest being unseen;
+    step_loop (streamed queries): 0, a key tile's product steps unrolled, or n >= 1, its
+    steps 1 .. steps_per_tile - 1 as a loop unrolled n times (n divides their count).
     """
 
     geom: Geometry
@@ -249,6 +263,7 @@ class EstimatePlan(UnitSums):
     head_group: int = 0
     ordered_stats: bool = False
     trim_columns: int = 0
+    step_loop: int = 0
 
     @property
     def masked_widths(self) -> tuple[int, ...]:
@@ -544,7 +559,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   persistent: bool | None = None,
                   head_group: int | None = None,
                   ordered_stats: bool | None = None,
-                  trim_columns: int | None = None) -> EstimatePlan:
+                  trim_columns: int | None = None,
+                  step_loop: int | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
@@ -562,14 +578,15 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     interleaved, dividing B x Hq; cluster 1, no persistent grid) and ordered_stats
     (consumer 1's statistics of a tile after consumer 0's, streamed queries, fewer
     stages than a key tile's steps) and trim_columns (0, or a divisor of block_k and
-    multiple of COLUMN_TILE) override the defaults
+    multiple of COLUMN_TILE) and step_loop (0, or with the streamed queries a divisor of
+    a key tile's steps less one) override the defaults
     (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
     multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
     allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
     streamed queries in non-causal calls whose ring is shorter than a key tile's steps,
-    `default_trim_columns`.
+    `default_trim_columns`, `default_step_loop`.
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -634,6 +651,12 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
     steps = EstimatePlan(geom, block_k, BLOCK_D, stages).steps_per_tile
+    if step_loop is None:
+        step_loop = default_step_loop(queries, causal, steps)
+    if step_loop and (step_loop < 0 or queries != "streamed" or (steps - 1) % step_loop):
+        raise ValueError(f"step_loop must be 0, or with queries='streamed' a divisor of the "
+                         f"{steps - 1} steps after a key tile's first (the loop's unroll); "
+                         f"got {step_loop} with queries={queries!r}")
     if ordered_stats and stages >= steps:
         if not default_order:
             raise ValueError(f"ordered_stats needs fewer stages than the {steps} steps of "
@@ -654,7 +677,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                         bool(stagger), bool(pair_rows), page_size=page_size,
                         key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
                         head_group=head_group or 0, ordered_stats=bool(ordered_stats),
-                        trim_columns=trim_columns)
+                        trim_columns=trim_columns, step_loop=step_loop)
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
         key_groups = _causal_key_groups(plan)
         plan = dataclasses.replace(plan, key_groups=key_groups)
@@ -771,6 +794,15 @@ def default_trim_columns(block_k: int) -> int:
     """The default plan's `trim_columns` at `block_k`: TRIM_COLUMNS where it divides
     block_k, else their gcd (block_k 192: 64)."""
     return math.gcd(TRIM_COLUMNS, block_k)
+
+
+def default_step_loop(queries: str, causal: bool, steps: int) -> int:
+    """The default plan's `step_loop` for key tiles of `steps` steps: in causal calls with
+    the streamed queries, the largest divisor of steps - 1 up to CAUSAL_STEP_LOOP; else 0
+    (unrolled: also for a tile of one step)."""
+    if not causal or queries != "streamed" or steps < 2:
+        return 0
+    return max(n for n in range(1, CAUSAL_STEP_LOOP + 1) if (steps - 1) % n == 0)
 
 
 def default_stagger(queries: str) -> bool:

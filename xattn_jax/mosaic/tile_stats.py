@@ -54,7 +54,8 @@ group of pairs (`EstimatePlan.launch_group`), so that every pair's long row tile
 early.
 
 Consumers, per key tile: the steps' wgmmas (a step's slot is released once at most one
-wgmma is in flight after it), then the statistics of the consumer's 64 rows, in log2
+wgmma is in flight after it; unrolled, or with `plan.step_loop` the steps after the first
+as a loop, one copy of their code), then the statistics of the consumer's 64 rows, in log2
 units:
 
 - m[r] = max over the tile's columns of A'[r, c] (A' = A * log2(e), -inf where not seen),
@@ -369,27 +370,41 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             def tile_at_width(tile, first_step, width, *, masked: bool):
                 """Key tile `tile` (its steps from the CTA's `first_step` on): the products
                 and statistics of its first `width` columns (the rest unseen), stored."""
-                def product(acc_ref):
-                    for step in range(steps):  # static: the resident queries' chunk index
-                        slot = lax.rem(first_step + step, jnp.int32(stages))
-                        plgpu.barrier_wait(ready.at[own_ready + slot])
-                        if multiply:
-                            keys = (k_smem.at[slot] if width == bk else
-                                    k_smem.at[slot, pl.ds(0, width)])
-                            plgpu.wgmma(acc_ref, queries(step, slot), keys.transpose((1, 0)))
-                        if step == plan.lag_steps - 1:  # stagger: consumer 1 may start
-                            @pl.when((wg == 0) & (first_step == 0))
-                            def _():
-                                plgpu.barrier_arrive(lead)
-                        if step:  # the step before has finished reading its slot
-                            if multiply:
-                                plgpu.wgmma_wait(1)
-                            plgpu.barrier_arrive(free.at[
-                                lax.rem(first_step + step - 1, jnp.int32(stages))])
+                def one_step(acc_ref, step):
+                    """Step `step` of the tile (a Python int, or the step loop's traced
+                    one): wait for its slot and multiply; let consumer 1 start."""
+                    slot = lax.rem(first_step + step, jnp.int32(stages))
+                    plgpu.barrier_wait(ready.at[own_ready + slot])
                     if multiply:
-                        plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(
-                        free.at[lax.rem(first_step + steps - 1, jnp.int32(stages))])
+                        keys = (k_smem.at[slot] if width == bk else
+                                k_smem.at[slot, pl.ds(0, width)])
+                        plgpu.wgmma(acc_ref, queries(step, slot), keys.transpose((1, 0)))
+                    lag_step = step == plan.lag_steps - 1  # a Python bool for an int step
+                    if plan.stagger and lag_step is not False:  # consumer 1 may start
+                        @pl.when(lag_step & (wg == 0) & (first_step == 0))
+                        def _():
+                            plgpu.barrier_arrive(lead)
+
+                def release(step, in_flight: int):
+                    """Step `step` has finished reading its slot (at most `in_flight`
+                    wgmmas after it): the slot is free."""
+                    if multiply:
+                        plgpu.wgmma_wait(in_flight)
+                    plgpu.barrier_arrive(free.at[lax.rem(first_step + step, jnp.int32(stages))])
+
+                def later_step(acc_ref, step):
+                    one_step(acc_ref, step)
+                    release(step - 1, 1)
+
+                def product(acc_ref):
+                    one_step(acc_ref, 0)
+                    if plan.step_loop:  # one copy of the later steps' code
+                        pl.loop(1, steps, unroll=plan.step_loop)(
+                            functools.partial(later_step, acc_ref))
+                    else:
+                        for step in range(1, steps):  # static: the resident queries' index
+                            later_step(acc_ref, step)
+                    release(steps - 1, 0)
                     return acc_ref[...] if multiply else None
 
                 shape = (WGMMA_ROWS, width)
