@@ -146,16 +146,21 @@ def test_plan_defaults_fit_and_overrides_are_checked():
     for bad in (48, 12, -8, 512):
         with pytest.raises(ValueError, match="trim_columns must be 0 or a divisor of block_k"):
             estimate_plan.estimate_plan(geom, jnp.bfloat16, trim_columns=bad)
-    # a causal call's key tile multiplies its steps after the first in a loop (unrolled
-    # up to 5 times, a divisor of their count); non-causal calls and the resident queries
-    # unroll them all; a tile of one step has no loop
-    assert (plan.step_loop, causal.step_loop, resident.step_loop) == (0, 5, 0)
-    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 300, 556, 128, 4, 64), jnp.bfloat16,
-                                       causal=True).step_loop == 1  # 8 steps: 7 after
-    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 600, 600, 64, 4, 32), jnp.bfloat16,
-                                       causal=True).step_loop == 3  # 4 steps: 3 after
-    assert estimate_plan.estimate_plan(Geometry(1, 2, 1, 600, 600, 64, 1, 32), jnp.bfloat16,
-                                       causal=True).step_loop == 0
+    # a causal call in key groups multiplies a key tile's steps after the first in a loop
+    # (unrolled up to 5 times, a divisor of their count); causal calls of whole rows (1M:
+    # key groups 1), non-causal calls and the resident queries unroll them all; a tile of
+    # one step has no loop
+    assert (causal.key_groups, causal.step_loop, plan.step_loop, resident.step_loop) == (
+        4, 5, 0, 0)
+    long = estimate_plan.estimate_plan(Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 128),
+                                       jnp.bfloat16, causal=True)
+    assert (long.key_groups, long.step_loop) == (1, 0)
+    for shape, loop in (((4096, 4096, 128, 4, 64), 1),  # 8 steps: 7 after the first
+                        ((4096, 4096, 64, 4, 32), 3),  # 4 steps: 3 after
+                        ((4096, 4096, 64, 1, 32), 0)):  # 1 step
+        short_rows = estimate_plan.estimate_plan(Geometry(1, 2, 1, *shape), jnp.bfloat16,
+                                                 causal=True)
+        assert (short_rows.key_groups, short_rows.step_loop) == (4, loop), shape
     assert estimate_plan.estimate_plan(geom, jnp.bfloat16, step_loop=15).step_loop == 15
     for bad, options in ((2, {}), (-1, {}), (1, {"queries": "resident"})):
         with pytest.raises(ValueError, match="step_loop must be 0, or with queries='streamed'"):

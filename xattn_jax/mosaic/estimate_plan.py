@@ -38,9 +38,9 @@ per key tile):
 
 In either layout, a consumer's masked key tile (its causal diagonal, or the end of the
 keys in use) is multiplied and summed only up to the last column its rows see, in steps
-of `trim_columns` (`masked_widths`; TRIM_COLUMNS). In causal calls with the streamed
-queries, a consumer runs a key tile's product steps after the first as a loop
-(`step_loop`; CAUSAL_STEP_LOOP), one copy of their code for every masked width.
+of `trim_columns` (`masked_widths`; TRIM_COLUMNS). In causal calls in key groups, a
+consumer runs a key tile's product steps after the first as a loop (`step_loop`;
+CAUSAL_STEP_LOOP), one copy of their code for every masked width.
 
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
@@ -111,15 +111,18 @@ PAIR_ROWS = False
 # block 4096 0.2869 / 0.2783 / 0.2746; the kernel's first call (build and one run)
 # 9.9-13.2 / 9.0-9.2 / 15.2-15.6 s; block sums bit-identical (mosaic_estimate_h200.md).
 TRIM_COLUMNS = 128
-# A causal call's key tile multiplies its steps 1 .. n - 1 in a loop unrolled this many
-# times at most (`EstimatePlan.step_loop`: the largest divisor of n - 1 up to it), not
-# fully unrolled: a causal call holds one copy of a tile's code per masked width, so its
-# kernel took 10 s to build. H200, kernel alone, medians of 7 rotating rounds, unrolled /
-# loop / loop unrolled 5 times (session 21, call 2): causal 32K block 128 1.0048 / 1.0155
-# / 1.0060 ms, 64K 3.7958 / 3.8044 / 3.7640; first call (build and one run) 10.2-10.3 /
-# 3.8-3.9 / 3.8-4.5 s. Non-causal calls stay unrolled: there the loops ran 1-3% slower
-# (32K block 64 1.8626 / 1.9166 / 1.8832, the chunk over 64K 0.4362 / 0.4414 / 0.4451),
-# and the unrolled kernel builds in 4-5 s (mosaic_estimate_h200.md, tuning.md note 39).
+# A causal call in key groups (`_causal_key_groups`: CTAs of a quarter of a row tile's
+# key tiles) multiplies a key tile's steps 1 .. n - 1 in a loop unrolled this many times
+# at most (`EstimatePlan.step_loop`: the largest divisor of n - 1 up to it), not fully
+# unrolled: a causal call holds one copy of a tile's code per masked width, so its kernel
+# took 10-14 s to build. H200, kernel alone, medians of 7 rotating rounds, unrolled / loop
+# / loop unrolled 5 times (session 21, call 2): causal 32K block 128 1.0048 / 1.0155 /
+# 1.0060 ms, 64K 3.7958 / 3.8044 / 3.7640; first call (build and one run) 10.2-10.3 /
+# 3.8-3.9 / 3.8-4.5 s. Calls whose CTAs walk whole rows stay unrolled: causal 1M (key
+# groups 1) ran 0.6% slower with the loop (whole block sums 1048.68 / 1055.30 ms, every
+# one of 5 alternating rounds; call 8), and non-causal calls 1-3% slower (32K block 64
+# 1.8626 / 1.9166 / 1.8832, the chunk over 64K 0.4362 / 0.4414 / 0.4451), their unrolled
+# kernels building in 4-5 s (mosaic_estimate_h200.md, tuning.md note 39).
 CAUSAL_STEP_LOOP = 5
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
@@ -651,8 +654,9 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if stages < MIN_STAGES:
         raise ValueError(f"stages must be at least {MIN_STAGES}; got {stages}")
     steps = EstimatePlan(geom, block_k, BLOCK_D, stages).steps_per_tile
-    if step_loop is None:
-        step_loop = default_step_loop(queries, causal, steps)
+    default_loop = step_loop is None
+    if default_loop:
+        step_loop = 0  # the rule needs the key groups (below)
     if step_loop and (step_loop < 0 or queries != "streamed" or (steps - 1) % step_loop):
         raise ValueError(f"step_loop must be 0, or with queries='streamed' a divisor of the "
                          f"{steps - 1} steps after a key tile's first (the loop's unroll); "
@@ -681,6 +685,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
         key_groups = _causal_key_groups(plan)
         plan = dataclasses.replace(plan, key_groups=key_groups)
+    if default_loop:
+        plan = dataclasses.replace(plan, step_loop=default_step_loop(plan, causal))
     if head_group is not None and (head_group < 1 or plan.pairs % head_group or (
             head_group > 1 and (cluster > 1 or persistent))):
         raise ValueError(f"head_group must divide B x Hq = {plan.pairs}, and be 1 with a "
@@ -796,11 +802,13 @@ def default_trim_columns(block_k: int) -> int:
     return math.gcd(TRIM_COLUMNS, block_k)
 
 
-def default_step_loop(queries: str, causal: bool, steps: int) -> int:
-    """The default plan's `step_loop` for key tiles of `steps` steps: in causal calls with
-    the streamed queries, the largest divisor of steps - 1 up to CAUSAL_STEP_LOOP; else 0
-    (unrolled: also for a tile of one step)."""
-    if not causal or queries != "streamed" or steps < 2:
+def default_step_loop(plan: EstimatePlan, causal: bool) -> int:
+    """The default `step_loop` of `plan` (its other fields final): in causal calls with
+    the streamed queries in key groups (short CTAs), the largest divisor of a key tile's
+    steps less one up to CAUSAL_STEP_LOOP; else 0 (unrolled: also for a tile of one
+    step)."""
+    steps = plan.steps_per_tile
+    if not causal or plan.queries != "streamed" or plan.key_groups < 2 or steps < 2:
         return 0
     return max(n for n in range(1, CAUSAL_STEP_LOOP + 1) if (steps - 1) % n == 0)
 
