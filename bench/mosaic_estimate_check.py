@@ -287,8 +287,8 @@ def _flags(text: str | None) -> list[bool | None]:
 
 
 # ordered_stats and step_loop have no default here: they depend on the call (ordered
-# statistics in non-causal calls, the step loop in causal ones), so a value given is
-# always timed as a variant
+# statistics in non-causal calls, the step loop in causal calls in key groups), so a
+# value given is always timed as a variant
 VARIANT_KEYS = ("queries", "block_k", "stages", "cluster", "stagger", "pair_rows",
                 "ordered_stats", "trim_columns", "step_loop")
 

@@ -390,7 +390,8 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     wgmmas after it): the slot is free."""
                     if multiply:
                         plgpu.wgmma_wait(in_flight)
-                    plgpu.barrier_arrive(free.at[lax.rem(first_step + step, jnp.int32(stages))])
+                    plgpu.barrier_arrive(
+                        free.at[lax.rem(first_step + step, jnp.int32(stages))])
 
                 def later_step(acc_ref, step):
                     one_step(acc_ref, step)
