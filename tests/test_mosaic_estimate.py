@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from cases import F32_RTOL
 
-from xattn_jax import mosaic, reference
+from xattn_jax import mosaic, reference, row_statistics
 from xattn_jax.checks import check_qk
 from xattn_jax.geometry import Geometry
 from xattn_jax.mosaic import block_sums, estimate_plan
@@ -223,6 +223,93 @@ def test_paired_row_tiles_balance_the_causal_triangle(q_len, k_len, stride, bloc
         assert tiles[first[alone]].item() <= (pairs.min() if len(pairs) else tiles.max())
 
 
+# (Lq, Lk, stride, block_size, block_k, queries, folded slots x places / unfolded):
+# Lq = Lk at 16K (T + 1 slots for two row tiles of T key tiles: 9 / 16), an odd R (3
+# row tiles, the middle one alone), R = 2 with a key tile of 3 units, Lq < Lk, 64-row
+# tiles of the resident queries (T = 4: 5 / 8), query blocks of 2 row tiles (block
+# 2048) and of 8 rows (block 64)
+@pytest.mark.parametrize("q_len, k_len, stride, block_size, block_k, queries, share", [
+    (16384, 16384, 8, 128, 256, "streamed", 9 / 16),
+    (600, 600, 2, 32, 64, "streamed", 14 / 15),
+    (300, 300, 2, 16, 64, "streamed", 5 / 6),
+    (4096, 8192, 8, 128, 256, "streamed", 14 / 16),
+    (4096, 4096, 8, 128, 128, "resident", 5 / 8),
+    (16384, 16384, 8, 2048, 256, "streamed", 9 / 16),
+    (8192, 8192, 8, 64, 256, "streamed", 5 / 8),
+])
+def test_folded_statistics_hold_each_seen_tile_once(q_len, k_len, stride, block_size,
+                                                    block_k, queries, share):
+    """Folded statistics (`folded_place`): every key tile a row tile sees gets its own slot
+    and rows, within `stats_shape`, and the epilogue reading them in place
+    (`block_sums._folded_block_sums`) gives the unfolded epilogue's block sums within
+    float32 rounding, whatever the slots nobody writes hold (NaN here). Folded by default
+    only where that saves FOLD_MIN_SAVING."""
+    geom = _geom(1, 2, 1, q_len, k_len, 64, stride, block_size, True)
+    options = {"causal": True, "block_k": block_k, "queries": queries}
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, fold=True, **options)
+    unfolded = estimate_plan.estimate_plan(geom, jnp.bfloat16, fold=False, **options)
+    default = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+    assert default.fold == (share <= 1 - estimate_plan.FOLD_MIN_SAVING)
+    assert plan.call_rows == unfolded.call_rows == 0
+    tiles, rows, row_tiles = plan.key_tiles, plan.rows, plan.call_row_tiles
+    shape = plan.stats_shape
+    assert shape[2:] == (plan.fold_slots, plan.stat_planes, plan.fold_places * rows)
+    assert plan.fold_slots * plan.fold_places / (tiles * row_tiles) == pytest.approx(share)
+    assert plan.scratch_bytes == np.prod(shape) * estimate_plan.STAT_BYTES
+    rng = np.random.default_rng(0)
+    stats = rng.random(unfolded.stats_shape, np.float32)
+    stats[:, :, :, 0] = rng.normal(size=stats[:, :, :, 0].shape) * 3  # maxima
+    units = plan.units_per_tile
+    if units > 1:
+        stats[:, :, :, 1 + units] = stats[:, :, :, 1:1 + units].sum(axis=3)
+    seen = np.asarray(estimate_plan.visible_tiles(plan, True, np.arange(row_tiles) * rows))
+    folded = np.full(shape, np.nan, np.float32)
+    used = set()
+    for i, t in ((i, t) for i in range(row_tiles) for t in range(seen[i])):
+        slot, row0 = (int(x) for x in estimate_plan.folded_place(plan, i * rows, t))
+        assert 0 <= slot < shape[2] and 0 <= row0 <= shape[4] - rows
+        assert (slot, row0) not in used, (i, t)
+        used.add((slot, row0))
+        folded[:, :, slot, :, row0:row0 + rows] = stats[:, :, t, :, i * rows:(i + 1) * rows]
+    got = np.asarray(block_sums._folded_block_sums(jnp.asarray(folded), plan, True))
+    planes = block_sums._planes(jnp.asarray(stats), unfolded, True, 0, geom.k_cols)
+    want = np.asarray(row_statistics.combine(*planes, geom, plan.unit, 0, geom.q_blocks,
+                                             True))
+    assert got.shape == want.shape == (1, 2, geom.q_blocks, geom.k_blocks)
+    assert npr.rel_err(got, want) <= F32_RTOL
+
+
+def test_fold_defaults_and_refusals():
+    """Folded statistics in whole causal calls where they save memory: causal 32K holds
+    76 MiB instead of 144, and causal 128K (2.25 GiB unfolded) now fits in one call; not
+    in non-causal calls, row steps (1M), clusters, or a chunk over a long context (its
+    row tiles see nearly every key tile: 126 slots for 128, less than FOLD_MIN_SAVING).
+    fold=True elsewhere is refused."""
+    def plan(q_len, k_len, **options):
+        geom = Geometry(1, 32, 8, q_len, k_len, 128, 8, 128)
+        return estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+
+    short = plan(32768, 32768, causal=True)
+    unfolded = plan(32768, 32768, causal=True, fold=False)
+    assert short.fold and not unfolded.fold
+    assert (short.scratch_bytes >> 20, unfolded.scratch_bytes >> 20) == (76, 144)
+    long = plan(131072, 131072, causal=True)
+    assert long.fold and long.call_rows == 0
+    assert long.scratch_bytes <= estimate_plan.MAX_SCRATCH_BYTES
+    assert long.row_scratch_bytes * long.padded_rows > estimate_plan.MAX_SCRATCH_BYTES
+    assert plan(131072, 131072, causal=True, fold=False).call_rows == 8192
+    assert not plan(1 << 20, 1 << 20, causal=True).fold  # row steps
+    assert not plan(32768, 32768).fold  # non-causal
+    assert not plan(32768, 32768, causal=True, cluster=2).fold
+    assert not plan(4096, 65536, causal=True).fold
+    for options, rule in (({}, "causal=False"), ({"causal": True, "cluster": 2}, "cluster 1"),
+                          ({"causal": True, "call_rows": 1024}, "one kernel call")):
+        with pytest.raises(ValueError, match=f"fold needs .*{rule}"):
+            plan(32768, 32768, fold=True, **options)
+    with pytest.raises(ValueError, match="fold needs one kernel call; the folded"):
+        plan(32768, 32768, causal=True, fold=True, max_scratch_bytes=64 << 20)
+
+
 def test_row_steps_bound_the_statistics_and_fill_the_waves():
     """A call whose statistics exceed the bound runs in row steps of every head: each
     step's statistics within the bound, whole row tiles and query blocks, and the step
@@ -318,7 +405,10 @@ def _idle_share(work, sms):
 @pytest.mark.parametrize("q_len, kv_heads, group, idle", [
     (16384, 8, 16, 0.04), (32768, 8, 8, 0.02), (65536, 8, 4, 0.01),  # a wave of CTAs
     (16384, 32, 4, 0.17), (32768, 32, 2, 0.10),  # the key heads in LAUNCH_KEY_BYTES
-    (65536, 32, 1, 0.06), (131072, 8, 4, 0.01)])  # one key head (more than the bound)
+    (65536, 32, 1, 0.06),
+    # one key head's pairs (its keys exceed the bound), 2 of which fill a wave: 128K is
+    # one call with folded statistics (256 CTAs), not row steps of 64 row tiles a head
+    (131072, 8, 2, 0.01)])
 def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, group, idle):
     """Causal calls of one key group launch the row tiles of the fewest (batch, head)
     pairs whose CTAs fill a wave interleaved, longest first, unless their key heads'
@@ -344,8 +434,8 @@ def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, gr
                                                                           0.05)
     clustered = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="resident", cluster=2)
     assert clustered.launch_group(True) == 1
-    paired = estimate_plan.estimate_plan(geom, jnp.bfloat16, pair_rows=True)
-    assert paired.launch_group(True) == (1 if paired.paired(True) else group)  # row steps
+    paired = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, pair_rows=True)
+    assert paired.paired(True) and paired.launch_group(True) == 1
     assert estimate_plan.estimate_plan(geom, jnp.bfloat16, head_group=2).launch_group(True) == 2
     for options in ({"head_group": 3}, {"head_group": 0},
                     {"head_group": 2, "queries": "resident", "cluster": 2},
@@ -400,9 +490,10 @@ def test_causal_calls_take_key_groups():
     """A causal call's default plan splits each row tile's key tiles among
     CAUSAL_KEY_GROUPS CTAs (at most its key tiles), whole or in row steps, whose size
     still follows the row tiles (64 MiB at causal 128K stay refused, and 1.5 GiB give
-    the steps they gave without key groups), up to 32 MiB of keys a head (causal 1M's
-    256 MiB take none); the same call non-causal, explicit key groups, pair_rows,
-    clusters and the persistent grid keep theirs."""
+    unfolded statistics the steps they gave without key groups; folded, causal 128K is
+    one call), up to 32 MiB of keys a head (causal 1M's 256 MiB take none); the same call
+    non-causal, explicit key groups, pair_rows, clusters and the persistent grid keep
+    theirs."""
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)  # 16 key tiles
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
     assert estimate_plan.CAUSAL_KEY_GROUPS == 4
@@ -416,8 +507,10 @@ def test_causal_calls_take_key_groups():
     short = Geometry(1, 8, 8, 4096, 4096, 128, 8, 128)  # 512 key columns: 2 key tiles
     assert estimate_plan.estimate_plan(short, jnp.bfloat16, causal=True).key_groups == 2
     long = Geometry(1, 32, 32, 131072, 131072, 128, 8, 128)
-    stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True)
+    whole = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True)
+    stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True, fold=False)
     alone = estimate_plan.estimate_plan(long, jnp.bfloat16)
+    assert (whole.key_groups, whole.call_rows, whole.fold) == (4, 0, True)
     assert (stepped.key_groups, stepped.call_rows) == (4, alone.call_rows) == (4, 8192)
     assert "a wave of row tiles" in estimate_plan.unsupported_reason(
         long, jnp.bfloat16, causal=True, max_scratch_bytes=64 << 20)
@@ -780,6 +873,15 @@ INTERPRET_CASES = [
      {"block_k": 64, "stages": 3, "queries": "streamed", "step_loop": 1}),
     (1, 2, 1, 190, 251, 128, 4, 32, False, 1.0,
      {"block_k": 64, "queries": "streamed", "step_loop": 7}),
+    # folded statistics: an odd R (the middle row tile alone in its place) in key
+    # groups, with paired row tiles, Lq < Lk, the resident queries (folded by default)
+    (1, 2, 1, 600, 600, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "fold": True}),
+    (1, 2, 1, 600, 600, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "streamed", "pair_rows": True, "fold": True}),
+    (1, 2, 1, 300, 684, 64, 2, 64, True, 1.0, {"block_k": 64, "fold": True}),
+    (1, 2, 1, 512, 512, 64, 2, 32, True, 1.0,
+     {"block_k": 64, "queries": "resident", "key_groups": 2}),
 ]
 
 
@@ -885,12 +987,14 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
 # plan options, CTAs, ROW_BLOCK_TILES): the persistent grid with fewer CTAs than work
 # items (each CTA takes several, in turns); causal in blocks of 2 row tiles (3 row tiles:
 # the last block has an empty item per key tile); batch 2; keys in use of a paged cache;
-# row steps, one row tile per block.
+# row steps, one row tile per block; causal with folded statistics.
 PERSISTENT_CASES = [
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64}, 3, 2),
     (2, 2, 1, 190, 251, 64, 2, 16, False, None, None, {"block_k": 64}, 5, 64),
     (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {}, 4, 64),
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_rows": 128}, 2, 1),
+    (1, 2, 1, 600, 664, 64, 2, 32, True, None, None,
+     {"block_k": 64, "causal": True, "fold": True}, 3, 2),
 ]
 
 

@@ -55,6 +55,35 @@ def fit(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
+def row_weights(maxes: jax.Array, totals: jax.Array, where: jax.Array | None = None
+                ) -> jax.Array:
+    """2^(m - M) / L of each tile (axis 2) and row: the share of the row's softmax mass
+    per unit of its sum, M = max of the maxes m and L = sum of 2^(m - M) totals over the
+    tiles (of a row's tiles where `where`, broadcastable to maxes: elsewhere the weight
+    is 0, and neither m nor the totals are read into it). maxes and totals `[B, Hq, T,
+    R]` -> `[B, Hq, T, R]`."""
+    if where is not None:
+        maxes = jnp.where(where, maxes, -jnp.inf)
+    row_max = maxes.max(axis=2, keepdims=True)  # [B, Hq, 1, R]
+    scale = jnp.exp2(maxes - row_max)  # [B, Hq, T, R]
+    if where is None:
+        total = (totals * scale).sum(axis=2, keepdims=True)
+    else:  # a row with no tile here has M = -inf: its scale is NaN, and never taken
+        scale = jnp.where(where, scale, 0.0)
+        total = jnp.where(where, totals * scale, 0.0).sum(axis=2, keepdims=True)
+    return scale / total
+
+
+def row_counts(rows: jax.Array, geom: Geometry, sees_keys) -> jax.Array:
+    """Whether each reshaped query row (int32 array) adds to the block sums: padded rows,
+    and every row of a call without keys (sees_keys False, maybe traced), add nothing.
+    Any other row sees at least one key, so it has no softmax when each of its scores is
+    -inf (an inf in k): its maximum -inf makes it NaN, as in the reference
+    (docs/estimate.md, "Numerics"). A row holding a NaN stays NaN even where a maximum
+    skipped the NaN: its x is NaN."""
+    return (rows < geom.q_rows) & sees_keys
+
+
 def combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry,
              unit: int, first_row, q_blocks: int, sees_keys) -> jax.Array:
     """maxes `[B, Hq, T, R]`, sums `[B, Hq, T, R, P]` and totals `[B, Hq, T, R]` (sums
@@ -66,18 +95,18 @@ def combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry
     weighting into that reduction and no temporary as large as the scratch is made.
     """
     b, h, key_tiles, rows = maxes.shape
-    row_max = maxes.max(axis=2, keepdims=True)  # [B, Hq, 1, R]
-    scale = jnp.exp2(maxes - row_max)  # [B, Hq, T, R]
-    total = (totals * scale).sum(axis=2, keepdims=True)
-    # Padded rows, and every row of a call without keys, add nothing. Any other row sees
-    # at least one key, so it has no softmax when each of its scores is -inf (an inf in
-    # k): its maximum -inf makes it NaN, as in the reference (docs/estimate.md,
-    # "Numerics"). A row holding a NaN stays NaN even where a maximum skipped the NaN:
-    # its x is NaN.
-    counts = ((first_row + jnp.arange(rows)) < geom.q_rows) & sees_keys
-    probs = jnp.where(counts[..., None], sums * (scale / total)[..., None], 0.0)
+    counts = row_counts(first_row + jnp.arange(rows), geom, sees_keys)
+    weights = row_weights(maxes, totals)
+    probs = jnp.where(counts[..., None], sums * weights[..., None], 0.0)
     probs = fit(probs, 3, q_blocks * geom.block_rows)
     rows_summed = probs.reshape(b, h, key_tiles, q_blocks, geom.block_rows, -1).sum(axis=4)
+    return blocks_of_units(rows_summed, geom, unit)
+
+
+def blocks_of_units(rows_summed: jax.Array, geom: Geometry, unit: int) -> jax.Array:
+    """Sums `[B, Hq, T, qb, P]` of each query block's rows per tile and unit -> block
+    sums `[B, Hq, qb, kb]` (a key block is `block_rows / unit` consecutive units)."""
+    b, h, _, q_blocks, _ = rows_summed.shape
     per_block = geom.block_rows // unit
     units = jnp.moveaxis(rows_summed, 2, 3).reshape(b, h, q_blocks, -1)  # [B, Hq, qb, T*P]
     units = fit(units, 3, geom.k_blocks * per_block)

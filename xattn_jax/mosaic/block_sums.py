@@ -6,23 +6,27 @@ tile_stats`, imported on first call only, so that this module imports with any j
 marks the statistics of key tiles a row tile never sees as empty (-inf maxima, zero
 sums: the kernel does not write them), and normalizes exactly with the epilogue the
 Triton one-pass kernel shares (`xattn_jax.row_statistics.combine`: the statistics are
-the same). With a count of keys in use, the kernel reads the key tile holding the last
-key from a copy in which every later token is zero (`_tail_tile`), so that a count
-ending inside a stride group needs nothing outside the kernel (section 1: the partly
-filled group reads zeros); a call whose statistics exceed the plan's bound runs in row
-steps over all heads (`EstimatePlan.call_rows`, `row_statistics.in_steps`).
+the same); a whole causal call's folded statistics (`EstimatePlan.fold`) are normalized
+in place with the same weights (`_folded_block_sums`). With a count of keys in use, the
+kernel reads the key tile holding the last key from a copy in which every later token is
+zero (`_tail_tile`), so that a count ending inside a stride group needs nothing outside
+the kernel (section 1: the partly filled group reads zeros); a call whose statistics
+exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`,
+`row_statistics.in_steps`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, tail_tile,
                                             visible_tiles)
-from xattn_jax.row_statistics import LOG2_E, combine, in_steps
+from xattn_jax.row_statistics import (LOG2_E, blocks_of_units, combine, fit, in_steps,
+                                     row_counts, row_weights)
 
 
 def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
@@ -38,14 +42,65 @@ def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool, first_row, cols)
     as `combine` takes them: maxima and totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R,
     P]`; tiles a row tile does not see (`cols`: the key columns in use) become empty
     (-inf, 0), whatever their memory holds."""
-    units = plan.units_per_tile
     row0 = first_row + jnp.arange(stats.shape[-1], dtype=jnp.int32) // plan.rows * plan.rows
     seen = (jnp.arange(plan.key_tiles)[:, None]
             < visible_tiles(plan, causal, row0, cols)[None, :])
-    maxes = jnp.where(seen, stats[:, :, :, 0], -jnp.inf)
-    sums = jnp.where(seen[..., None], jnp.moveaxis(stats[:, :, :, 1:1 + units], 3, 4), 0.0)
-    totals = jnp.where(seen, stats[:, :, :, 1 + units], 0.0) if units > 1 else sums[..., 0]
-    return maxes, sums, totals
+    maxes, sums, totals = _split_planes(stats, plan.units_per_tile)
+    return (jnp.where(seen, maxes, -jnp.inf), jnp.where(seen[..., None], sums, 0.0),
+            jnp.where(seen, totals, 0.0))
+
+
+def _folded_block_sums(stats: jax.Array, plan: EstimatePlan, sees_keys) -> jax.Array:
+    """Block sums `[B, Hq, qb, kb]` of a whole causal call from its folded statistics
+    `[B, Hq, fold_slots, planes, fold_places x rows]` (`estimate_plan.folded_place`), read
+    where they are: place p's rows are row tile p's in its slots 0 .. v_p - 1 and row
+    tile R - 1 - p's in its last v_{R-1-p} slots (v: `visible_tiles`; R row tiles), two
+    rows of the softmax each, weighed apart (`row_weights`); the rows are summed into
+    chunks of gcd(rows, block_rows) in place, and only those chunk sums are unfolded into
+    the row tiles' order (slots reversed for the later row tiles) and summed into
+    blocks. Slots a place's row tiles do not see are never read into a sum."""
+    geom = plan.geom
+    b, h, slots = stats.shape[:3]
+    rows, tiles, units = plan.rows, plan.key_tiles, plan.units_per_tile
+    row_tiles, places = plan.call_row_tiles, plan.fold_places
+    late = row_tiles - places  # places holding a later row tile: 0 .. late - 1
+    seen = visible_tiles(plan, True, jnp.arange(row_tiles) * rows)  # [R]
+    slot, place = jnp.arange(slots)[:, None], jnp.arange(places)[None, :]
+    later_tile = row_tiles - 1 - place  # [1, P]
+    early = slot < seen[place]  # [S, P]: slots of row tile p at place p
+    later = (place < late) & (slot >= slots - seen[jnp.minimum(later_tile, row_tiles - 1)])
+    row = jnp.arange(rows)
+    maxes, sums, totals = _split_planes(stats, units)
+    probs = jnp.zeros(sums.shape, jnp.float32)
+    for part, tile in ((early, place), (later, later_tile)):
+        mask = jnp.repeat(part, rows, axis=1)  # [S, N]
+        counts = row_counts((tile.T * rows + row).reshape(-1), geom, sees_keys)  # [N]
+        weights = row_weights(maxes, totals, where=mask)
+        probs = jnp.where((mask & counts)[..., None], sums * weights[..., None], probs)
+    chunk = math.gcd(rows, geom.block_rows)
+    chunks = probs.reshape(b, h, slots, places, rows // chunk, chunk, units).sum(axis=5)
+
+    def part_chunks(part, first_slot, places_of_part):
+        """The chunk sums of one row tile of each place, slots first_slot .. + T."""
+        cut = chunks[:, :, first_slot:first_slot + tiles, :places_of_part]
+        return jnp.where(part[first_slot:first_slot + tiles, :places_of_part, None, None],
+                         cut, 0.0)
+
+    later_chunks = jnp.flip(part_chunks(later, slots - tiles, late), axis=(2, 3))
+    chunks = jnp.concatenate([part_chunks(early, 0, places), later_chunks], axis=3).reshape(
+        b, h, tiles, row_tiles * rows // chunk, units)
+    per_block = geom.block_rows // chunk
+    chunks = fit(chunks, 3, geom.q_blocks * per_block)
+    rows_summed = chunks.reshape(b, h, tiles, geom.q_blocks, per_block, units).sum(axis=4)
+    return blocks_of_units(rows_summed, geom, plan.unit)
+
+
+def _split_planes(stats: jax.Array, units: int):
+    """Statistics `[B, Hq, T, planes, R]` -> maxima and totals `[B, Hq, T, R]`, unit
+    sums `[B, Hq, T, R, P]` (the total plane is the one unit's sum when P = 1)."""
+    sums = jnp.moveaxis(stats[:, :, :, 1:1 + units], 3, 4)
+    totals = stats[:, :, :, 1 + units] if units > 1 else sums[..., 0]
+    return stats[:, :, :, 0], sums, totals
 
 
 def _keys(k: jax.Array, block_table, plan: EstimatePlan):
@@ -121,6 +176,8 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         scalars = jnp.concatenate([kernel_keys, first])
         stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
                                       causal=causal, scale=scale)
+        if plan.fold:  # a whole causal call: all rows, all keys
+            return _folded_block_sums(stats, plan, sees_keys)
         maxes, sums, totals = _planes(stats, plan, causal, first_row, cols)
         return combine(maxes, sums, totals, geom, plan.unit, first_row, q_blocks, sees_keys)
 

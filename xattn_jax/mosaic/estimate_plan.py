@@ -53,6 +53,13 @@ grid of one CTA per SM that walks work items of one row tile and one key tile ea
 CTAs launch (`launch_group`: in causal calls of one key group, the row tiles of a few
 heads interleaved, longest first).
 
+The statistics of a whole causal call are folded (`fold`; `folded_place`): row tile i of
+the R of a (batch, query head) and R - 1 - i share one place of `fold_slots` key-tile
+slots, the first writing its key tile t at slot t, the second at slot `fold_slots` - 1 -
+t, so that the tiles past a row tile's diagonal take no memory (R x T tiles' worth ->
+ceil(R / 2) x (T + 1) at Lq = Lk and block_k = 2 x `rows`); the epilogue reads them in
+place and unfolds only their row sums (`block_sums._folded_block_sums`).
+
 Tuned values are measured on the H200 with `python -m bench.mosaic_estimate_check`
 (`bench/results/mosaic_estimate_h200.md`).
 """
@@ -176,6 +183,13 @@ MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
 # SMs of an H100 SXM / H200: the SM count where the default device does not say its own
 # (`device_sms`), which sizes row steps' waves, key groups and the persistent grid
 HOPPER_SMS = 132
+# Folded statistics (`EstimatePlan.fold`) where they save at least this share of the
+# memory. H200, block sums (kernel and epilogue), medians of 4 rotating rounds, folded /
+# unfolded (session 22): causal 32K (47% saved) 1.0185 / 1.0256 ms, 64K 3.8042 / 3.8479,
+# GQA 32:8 64K 3.8123 / 3.8162, 128K (one call instead of two row steps) 15.586 /
+# 16.133; 4096 causal queries over 64K keys, folded by force (2% saved: its places span
+# 63 slots for 32 key tiles), 0.5113 / 0.4651, its row sums' unfolding 55 us.
+FOLD_MIN_SAVING = 1 / 4
 # A persistent grid (`EstimatePlan.persistent_ctas`): one CTA per SM walking the call's
 # work items (a row tile and a key tile each). Off: on the H200 it ran as fast as one
 # CTA per row tile, within the rounds' spread (kernel alone, causal 32K 1.087 against
@@ -247,7 +261,10 @@ class EstimatePlan(UnitSums):
     is multiplied and summed only over its first columns up to the last its rows see,
     rounded up to a multiple of trim_columns (`masked_widths`), the rest being unseen;
     step_loop (streamed queries): 0, a key tile's product steps unrolled, or n >= 1, its
-    steps 1 .. steps_per_tile - 1 as a loop unrolled n times (n divides their count).
+    steps 1 .. steps_per_tile - 1 as a loop unrolled n times (n divides their count);
+    fold (causal calls of one kernel call, cluster 1): the statistics folded
+    (`folded_place`: `[B, Hq, fold_slots, stat_planes, fold_places x rows]`), else `[B, Hq,
+    key_tiles, stat_planes, rows_per_call]`.
     """
 
     geom: Geometry
@@ -267,6 +284,7 @@ class EstimatePlan(UnitSums):
     ordered_stats: bool = False
     trim_columns: int = 0
     step_loop: int = 0
+    fold: bool = False
 
     @property
     def masked_widths(self) -> tuple[int, ...]:
@@ -452,14 +470,39 @@ class EstimatePlan(UnitSums):
 
     @property
     def row_scratch_bytes(self) -> int:
-        """The statistics of one reshaped query row of every head and batch element."""
+        """The statistics of one reshaped query row of every head and batch element,
+        unfolded."""
         return self.pairs * self.key_tiles * self.stat_planes * STAT_BYTES
 
     @property
+    def fold_places(self) -> int:
+        """Places of folded statistics per (batch, query head): ceil(R / 2) (R =
+        `call_row_tiles`), place p holding row tiles p and R - 1 - p."""
+        return cdiv(self.call_row_tiles, 2)
+
+    @property
+    def fold_slots(self) -> int:
+        """Key-tile slots of a place of folded statistics: the most key tiles the two
+        row tiles of a place see together in a causal call (`visible_tiles`), and at
+        least `key_tiles` (the unfolding reads T slots of each)."""
+        return _fold_slots(self)
+
+    @property
+    def stats_shape(self) -> tuple[int, int, int, int, int]:
+        """The kernel's statistics: `[B, Hq, slots, stat_planes, rows]`, slots and rows
+        `fold_slots` and `fold_places` x `rows` folded, else `key_tiles` and
+        `rows_per_call`."""
+        geom = self.geom
+        if self.fold:
+            slots, rows = self.fold_slots, self.fold_places * self.rows
+        else:
+            slots, rows = self.key_tiles, self.rows_per_call
+        return geom.batch, geom.q_heads, slots, self.stat_planes, rows
+
+    @property
     def scratch_bytes(self) -> int:
-        """One kernel call's statistics: `[B, Hq, key_tiles, stat_planes, rows_per_call]`
-        floats."""
-        return self.row_scratch_bytes * self.rows_per_call
+        """One kernel call's statistics (`stats_shape`), in bytes."""
+        return math.prod(self.stats_shape) * STAT_BYTES
 
 
 @functools.lru_cache(maxsize=64)
@@ -476,6 +519,30 @@ def walked_cells(plan: EstimatePlan) -> tuple[int, ...]:
                                         (rows - 1 - np.arange(rows)) * plan.rows))
     return tuple(g * groups + j for g in range(rows) for j in range(groups)
                  if j * span < seen[g])
+
+
+@functools.lru_cache(maxsize=64)
+def _fold_slots(plan: EstimatePlan) -> int:
+    """`EstimatePlan.fold_slots` (concrete, at trace time as `walked_cells`)."""
+    tiles = plan.call_row_tiles
+    with jax.ensure_compile_time_eval():
+        seen = np.asarray(visible_tiles(plan, True, np.arange(tiles) * plan.rows))
+    together = [int(seen[p]) + (int(seen[tiles - 1 - p]) if p < tiles - 1 - p else 0)
+                for p in range(plan.fold_places)]
+    return max(together + [plan.key_tiles])
+
+
+def folded_place(plan: EstimatePlan, row0, tile):
+    """Where a call with folded statistics (`EstimatePlan.fold`) stores those of key tile
+    `tile` of the row tile whose first reshaped row is `row0` (int32, traced or not):
+    (slot, first row) in `stats_shape`'s axes 2 and 4. Row tile i < `fold_places` at
+    place i, slot `tile`; a later one at place R - 1 - i, slot `fold_slots` - 1 - `tile`
+    (R = `call_row_tiles`), the two never meeting in a slot, as they see `fold_slots`
+    tiles at most together. Unfolded statistics are at (tile, row0)."""
+    index = _div(row0, plan.rows)
+    late = index >= plan.fold_places
+    place = jnp.where(late, plan.call_row_tiles - 1 - index, index)
+    return jnp.where(late, plan.fold_slots - 1 - tile, tile), place * plan.rows
 
 
 def work_items(plan: EstimatePlan, cols=None):
@@ -563,7 +630,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   head_group: int | None = None,
                   ordered_stats: bool | None = None,
                   trim_columns: int | None = None,
-                  step_loop: int | None = None) -> EstimatePlan:
+                  step_loop: int | None = None,
+                  fold: bool | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
@@ -582,14 +650,17 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     (consumer 1's statistics of a tile after consumer 0's, streamed queries, fewer
     stages than a key tile's steps) and trim_columns (0, or a divisor of block_k and
     multiple of COLUMN_TILE) and step_loop (0, or with the streamed queries a divisor of
-    a key tile's steps less one) override the defaults
+    a key tile's steps less one) and fold (causal calls of one kernel call, cluster 1)
+    override the defaults
     (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
     multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
     queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
     `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
     allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
     streamed queries in non-causal calls whose ring is shorter than a key tile's steps,
-    `default_trim_columns`, `default_step_loop`.
+    `default_trim_columns`, `default_step_loop`, and folded statistics in causal calls
+    of one kernel call and cluster 1 where they take less memory (`_fold_saves`; a call
+    whose folded statistics fit within the bound runs as one kernel call).
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -699,6 +770,14 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
                          f"{SMEM_BYTES}")
+    if fold and (not causal or cluster > 1 or call_rows):
+        raise ValueError(f"fold needs a causal call of one kernel call (call_rows 0) and "
+                         f"cluster 1 (a row tile stores only the tiles it sees); got "
+                         f"causal={causal}, call_rows={call_rows}, cluster={cluster}")
+    default_fold = fold is None
+    if default_fold:
+        fold = causal and cluster == 1 and not call_rows and _fold_saves(plan)
+    plan = dataclasses.replace(plan, fold=bool(fold))
     bound = max_scratch_bytes or MAX_SCRATCH_BYTES
     if call_rows is None:
         call_rows = _call_rows(plan, bound)
@@ -710,7 +789,10 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         raise ValueError(f"call_rows must be 0 or a positive multiple of {plan.row_quantum}"
                          f" (whole clusters of row tiles and whole query blocks); got "
                          f"{call_rows}")
-    plan = dataclasses.replace(plan, call_rows=call_rows)
+    if call_rows and plan.fold and not default_fold:
+        raise ValueError(f"fold needs one kernel call; the folded statistics "
+                         f"({plan.scratch_bytes} bytes) exceed max_scratch_bytes={bound}")
+    plan = dataclasses.replace(plan, call_rows=call_rows, fold=plan.fold and not call_rows)
     if persistent:
         return dataclasses.replace(plan, persistent_ctas=min(
             device_sms(), plan.step_ctas(plan.rows_per_call)))
@@ -742,6 +824,15 @@ def _key_groups(plan: EstimatePlan) -> int:
 
     return max(range(1, min(MAX_KEY_GROUPS, plan.key_tiles) + 1),
                key=lambda groups: (fill(groups), -groups))
+
+
+def _fold_saves(plan: EstimatePlan) -> bool:
+    """Whether folded statistics (`EstimatePlan.fold`) save at least FOLD_MIN_SAVING of
+    the unfolded ones' memory in a causal call of one kernel call (`plan`: call_rows 0):
+    about half at Lq = Lk, 2% where every row tile sees nearly every key tile (a chunk
+    of 4096 queries over 64K keys: 126 slots for 128)."""
+    unfolded = plan.key_tiles * plan.call_row_tiles
+    return plan.fold_slots * plan.fold_places <= (1 - FOLD_MIN_SAVING) * unfolded
 
 
 def _fills_sms(plan: EstimatePlan, rows: int) -> bool:
@@ -780,7 +871,7 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     largest (fewer calls). None if no such step fits (the Triton kernel, which "auto"
     then runs, was faster than smaller steps)."""
     geom = plan.geom
-    if plan.row_scratch_bytes * plan.row_tiles * plan.rows <= bound:
+    if plan.scratch_bytes <= bound:  # one call (`plan`: call_rows 0), folded or not
         return 0
     quantum, sms = plan.row_quantum, device_sms()
     extent = geom.q_blocks * geom.block_rows  # the rows the steps cover

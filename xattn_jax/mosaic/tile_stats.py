@@ -63,13 +63,13 @@ units:
   column of the tile gets x = 0),
 - with several units, their total,
 
-stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]) through a shared
-memory buffer and TMA. Only tiles holding a column some of the consumer's rows do not
-see (past the keys, or after its first row's causal diagonal) come last and are masked
-per element; such a tile is multiplied and summed only over its first columns, up to
-the last one its rows see (`estimate_plan.seen_columns`) rounded up to a width of
-`plan.masked_widths` (one variant of the tile's code per width, chosen per tile; later
-units' sums are 0). Tiles no row of the row tile sees are neither computed nor stored
+stored to `stats[b, h, t, :, rows]` (planes: m, x_0 .. x_{P-1}[, total]; with `plan.fold`
+at the slot and rows of `estimate_plan.folded_place`) through a shared memory buffer and
+TMA. Only tiles holding a column some of the consumer's rows do not see (past the keys,
+or after its first row's causal diagonal) come last and are masked per element; such a
+tile is multiplied and summed only over its first columns, up to the last one its rows
+see (`estimate_plan.seen_columns`) rounded up to a width of `plan.masked_widths` (one
+variant of the tile's code per width, chosen per tile; later units' sums are 0). Tiles no row of the row tile sees are neither computed nor stored
 (`estimate_plan.visible_tiles`: the caller fills them).
 
 Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
@@ -128,8 +128,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan, paired_row_tiles, seen_columns,
-                                            tail_tile, unmasked_tiles, visible_tiles,
-                                            walked_cells, work_items)
+                                            folded_place, tail_tile, unmasked_tiles,
+                                            visible_tiles, walked_cells, work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
@@ -287,9 +287,9 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], with
     a compacted grid its cells int32 [grid_rows] (`estimate_plan.walked_cells`), the
     scalars int32 [2] (the keys in use, whole stride groups; the call's first reshaped
-    query row / COLUMN_TILE), stats float32 [B, Hq, key_tiles, stat_planes,
-    rows_per_call]; scratch as `_scratch_types` makes it (q_ready None with the streamed
-    queries, lead None without stagger, turn None without ordered_stats); scale: A' =
+    query row / COLUMN_TILE), stats float32 `plan.stats_shape`; scratch as
+    `_scratch_types` makes it (q_ready None with the streamed queries, lead None without
+    stagger, turn None without ordered_stats); scale: A' =
     product x scale. The scalars are read only where they vary: the keys with
     `keys_in_use` (else all k_cols columns), the first row in row steps (else 0), so
     that a whole call of all keys runs with static bounds."""
@@ -443,8 +443,12 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
                     out.at[1 + units][...] = functools.reduce(
                         jnp.add, [x for x in sums if x is not None])
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, tile, :,
-                                                          pl.ds(own_row0, WGMMA_ROWS)])
+                slot, stat_row0 = tile, own_row0
+                if plan.fold:
+                    slot, place_row0 = folded_place(plan, row0, tile)
+                    stat_row0 = place_row0 + (own_row0 - row0)
+                plgpu.copy_smem_to_gmem(out, stats_ref.at[batch, head, slot, :,
+                                                          pl.ds(stat_row0, WGMMA_ROWS)])
                 if plan.ordered_stats:
                     @pl.when(wg == 0)
                     def _():
@@ -588,12 +592,10 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
     k_cols x S, and the kernel takes it as a constant) or the key tile holding the last
     key in use, `[B, Hkv, block_k, S, D]` in k's dtype, with every key past the count
     zero (read instead of k's tile); scale = log2(e) / (sqrt(D) S norm). Returns float32
-    `[B, Hq, key_tiles, stat_planes, rows_per_call]`; entries of tiles no row of a row
-    tile sees (`estimate_plan.visible_tiles`) are not written."""
-    geom = plan.geom
-    out_type = jax.ShapeDtypeStruct(
-        (geom.batch, geom.q_heads, plan.key_tiles, plan.stat_planes, plan.rows_per_call),
-        jnp.float32)
+    `plan.stats_shape`: `[B, Hq, key_tiles, stat_planes, rows_per_call]`, or with
+    `plan.fold` the folded statistics (`estimate_plan.folded_place`); entries of tiles no
+    row of a row tile sees (`estimate_plan.visible_tiles`) are not written."""
+    out_type = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
                              keys_in_use=tail is not None)
     cells = ((jnp.asarray(walked_cells(plan), jnp.int32),) if plan.compacted(causal)
