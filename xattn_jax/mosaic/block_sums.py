@@ -23,8 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, tail_tile,
-                                            visible_tiles)
+from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, row_tiles_seen,
+                                            tail_tile, visible_tiles)
 from xattn_jax.row_statistics import (LOG2_E, blocks_of_units, combine, fit, in_steps,
                                      row_counts, row_weights)
 
@@ -54,7 +54,7 @@ def _folded_block_sums(stats: jax.Array, plan: EstimatePlan, sees_keys) -> jax.A
     """Block sums `[B, Hq, qb, kb]` of a whole causal call from its folded statistics
     `[B, Hq, fold_slots, planes, fold_places x rows]` (`estimate_plan.folded_place`), read
     where they are: place p's rows are row tile p's in its slots 0 .. v_p - 1 and row
-    tile R - 1 - p's in its last v_{R-1-p} slots (v: `visible_tiles`; R row tiles), two
+    tile R - 1 - p's in its last v_{R-1-p} slots (v: `row_tiles_seen`; R row tiles), two
     rows of the softmax each, weighed apart (`row_weights`); the rows are summed into
     chunks of gcd(rows, block_rows) in place, and only those chunk sums are unfolded into
     the row tiles' order (slots reversed for the later row tiles) and summed into
@@ -64,11 +64,11 @@ def _folded_block_sums(stats: jax.Array, plan: EstimatePlan, sees_keys) -> jax.A
     rows, tiles, units = plan.rows, plan.key_tiles, plan.units_per_tile
     row_tiles, places = plan.call_row_tiles, plan.fold_places
     late = row_tiles - places  # places holding a later row tile: 0 .. late - 1
-    seen = visible_tiles(plan, True, jnp.arange(row_tiles) * rows)  # [R]
+    seen = jnp.asarray(row_tiles_seen(plan))  # [R]
     slot, place = jnp.arange(slots)[:, None], jnp.arange(places)[None, :]
-    later_tile = row_tiles - 1 - place  # [1, P]
+    later_tile = row_tiles - 1 - place  # [1, P], in [R - P, R - 1]
     early = slot < seen[place]  # [S, P]: slots of row tile p at place p
-    later = (place < late) & (slot >= slots - seen[jnp.minimum(later_tile, row_tiles - 1)])
+    later = (place < late) & (slot >= slots - seen[later_tile])
     row = jnp.arange(rows)
     maxes, sums, totals = _split_planes(stats, units)
     probs = jnp.zeros(sums.shape, jnp.float32)

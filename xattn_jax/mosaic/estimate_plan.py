@@ -513,21 +513,25 @@ def walked_cells(plan: EstimatePlan) -> tuple[int, ...]:
     pairs whose span (tiles j x key_span ..) holds a tile of the row tile's
     `visible_tiles`. The kernel reads its CTA's entry from an int32 operand."""
     groups, span = plan.key_groups, plan.key_span
-    rows = plan.row_groups(True)
-    with jax.ensure_compile_time_eval():  # concrete also while a caller traces
-        seen = np.asarray(visible_tiles(plan, True,
-                                        (rows - 1 - np.arange(rows)) * plan.rows))
-    return tuple(g * groups + j for g in range(rows) for j in range(groups)
+    seen = row_tiles_seen(plan)[::-1]  # row group g: row tile R - 1 - g
+    return tuple(g * groups + j for g in range(len(seen)) for j in range(groups)
                  if j * span < seen[g])
+
+
+@functools.lru_cache(maxsize=64)
+def row_tiles_seen(plan: EstimatePlan) -> tuple[int, ...]:
+    """`visible_tiles` of each row tile of a whole causal call, concrete (also while a
+    caller traces): the compacted grid's cells, the folded statistics' slots."""
+    with jax.ensure_compile_time_eval():
+        seen = visible_tiles(plan, True, np.arange(plan.call_row_tiles) * plan.rows)
+        return tuple(int(n) for n in np.asarray(seen))
 
 
 @functools.lru_cache(maxsize=64)
 def _fold_slots(plan: EstimatePlan) -> int:
     """`EstimatePlan.fold_slots` (concrete, at trace time as `walked_cells`)."""
-    tiles = plan.call_row_tiles
-    with jax.ensure_compile_time_eval():
-        seen = np.asarray(visible_tiles(plan, True, np.arange(tiles) * plan.rows))
-    together = [int(seen[p]) + (int(seen[tiles - 1 - p]) if p < tiles - 1 - p else 0)
+    seen, tiles = row_tiles_seen(plan), plan.call_row_tiles
+    together = [seen[p] + (seen[tiles - 1 - p] if p < tiles - 1 - p else 0)
                 for p in range(plan.fold_places)]
     return max(together + [plan.key_tiles])
 

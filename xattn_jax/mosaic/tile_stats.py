@@ -69,7 +69,8 @@ TMA. Only tiles holding a column some of the consumer's rows do not see (past th
 or after its first row's causal diagonal) come last and are masked per element; such a
 tile is multiplied and summed only over its first columns, up to the last one its rows
 see (`estimate_plan.seen_columns`) rounded up to a width of `plan.masked_widths` (one
-variant of the tile's code per width, chosen per tile; later units' sums are 0). Tiles no row of the row tile sees are neither computed nor stored
+variant of the tile's code per width, chosen per tile; later units' sums are 0). Tiles
+no row of the row tile sees are neither computed nor stored
 (`estimate_plan.visible_tiles`: the caller fills them).
 
 Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
@@ -289,10 +290,10 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     scalars int32 [2] (the keys in use, whole stride groups; the call's first reshaped
     query row / COLUMN_TILE), stats float32 `plan.stats_shape`; scratch as
     `_scratch_types` makes it (q_ready None with the streamed queries, lead None without
-    stagger, turn None without ordered_stats); scale: A' =
-    product x scale. The scalars are read only where they vary: the keys with
-    `keys_in_use` (else all k_cols columns), the first row in row steps (else 0), so
-    that a whole call of all keys runs with static bounds."""
+    stagger, turn None without ordered_stats); scale: A' = product x scale. The scalars
+    are read only where they vary: the keys with `keys_in_use` (else all k_cols
+    columns), the first row in row steps (else 0), so that a whole call of all keys runs
+    with static bounds."""
     refs = list(refs)
     table_ref = refs.pop(0) if plan.page_size else None
     tail_ref = refs.pop(0) if keys_in_use else None
