@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from cases import F32_RTOL
 
-from xattn_jax import mosaic, reference, row_statistics
+from xattn_jax import impls, mosaic, reference, row_statistics
 from xattn_jax.checks import check_qk
 from xattn_jax.geometry import Geometry
 from xattn_jax.mosaic import block_sums, estimate_plan
@@ -308,6 +308,28 @@ def test_fold_defaults_and_refusals():
             plan(32768, 32768, fold=True, **options)
     with pytest.raises(ValueError, match="fold needs one kernel call; the folded"):
         plan(32768, 32768, causal=True, fold=True, max_scratch_bytes=64 << 20)
+
+
+def test_a_bound_holding_only_the_folded_statistics_takes_the_causal_call():
+    """Causal 16K, 8 heads: 5.06 MiB of folded statistics, 9 MiB unfolded, 9.56 MiB for a
+    row step holding a wave of row tiles. Within 6 MiB the Mosaic kernel takes the causal
+    call as one folded call; the non-causal one (nothing folds) is refused by the rule."""
+    geom = Geometry(1, 8, 8, 16384, 16384, 128, 8, 128)
+    bound = 6 << 20
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True,
+                                       max_scratch_bytes=bound)
+    assert (plan.fold, plan.call_rows) == (True, 0)
+    assert plan.scratch_bytes <= bound < plan.row_scratch_bytes * plan.padded_rows
+    assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True,
+                                            max_scratch_bytes=bound) is None
+    assert "a wave of row tiles" in estimate_plan.unsupported_reason(
+        geom, jnp.bfloat16, max_scratch_bytes=bound)
+    with pytest.raises(ValueError, match="a wave of row tiles"):
+        estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, fold=False,
+                                    max_scratch_bytes=bound)
+    chosen, reason = impls._mosaic_plan(geom, jnp.bfloat16, True, False, None, bound,
+                                        auto=False)
+    assert reason is None and chosen == plan
 
 
 def test_row_steps_bound_the_statistics_and_fill_the_waves():
@@ -1082,7 +1104,8 @@ GPU_CASES = [
 # contiguous buffer and in pages of 4096, 1024 and 512 tokens: key tiles of 256, 128 and
 # 64 columns), row steps (causal, in the default key groups and in one; non-causal; 8
 # and 3 steps, the last overlapping), key groups (a chunk's half on 2 GPUs in 2 spans; a
-# paged cache in 3; causal in 3, spans of the long row tiles only).
+# paged cache in 3; causal in 3, spans of the long row tiles only), the persistent grid,
+# and a bound holding only the whole call's folded statistics.
 GPU_KEY_CASES = [
     (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
     (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
@@ -1101,6 +1124,7 @@ GPU_KEY_CASES = [
     (1, 32, 8, 4096, 4096, 128, 8, 128, True, None, None, {"persistent": True}),
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, None, None, {"persistent": True}),
     (1, 8, 2, 2048, 2048, 128, 16, 128, True, None, None, {"persistent": True}),
+    (1, 8, 8, 16384, 16384, 128, 8, 128, True, None, None, {"max_scratch_bytes": 6 << 20}),
 ]
 
 

@@ -587,10 +587,11 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     COLUMN_TILE x stride, key_len in non-causal calls only, pages of a multiple of 64 x
     stride tokens (a key tile of at least 64 columns in one page), the CTA's shared
     memory with a ring of MIN_STAGES slots (resident queries: 64 rows x S x D of them
-    besides, which S 16 at D 128 exceeds), and the statistics of one row step of every
-    head holding a wave of row tiles within `max_scratch_bytes` (default
-    MAX_SCRATCH_BYTES; `_call_rows`). Any Lq and Lk otherwise (padded to whole tiles by
-    the caller). The Triton backend takes everything else.
+    besides, which S 16 at D 128 exceeds), and within `max_scratch_bytes` (default
+    MAX_SCRATCH_BYTES) the statistics of one row step of every head holding a wave of
+    row tiles (`_call_rows`) or, in a causal call, the whole call's folded statistics
+    where the default plan folds them (`_fold_saves`). Any Lq and Lk otherwise (padded
+    to whole tiles by the caller). The Triton backend takes everything else.
     """
     _check_queries(queries)
     dtype = jnp.dtype(dtype)
@@ -615,6 +616,9 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
                 f"{geom.stride} x head_dim {geom.head_dim} per CTA) needs {smem} bytes of "
                 f"shared memory with a ring of {MIN_STAGES} slots, over {SMEM_BYTES}")
     bound = max_scratch_bytes or MAX_SCRATCH_BYTES
+    folded = dataclasses.replace(plan, fold=True)
+    if causal and _fold_saves(plan) and folded.scratch_bytes <= bound:
+        return None  # one kernel call, its statistics folded
     if _call_rows(plan, bound) is None:
         rows = _wave_rows(plan)
         return (f"impl='mosaic' block sums need {plan.row_scratch_bytes * rows} bytes of "
@@ -672,8 +676,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if stagger is None:
         stagger = default_stagger(queries)
     pair_rows = PAIR_ROWS if pair_rows is None else pair_rows
-    reason = unsupported_reason(geom, dtype, queries=queries, page_size=page_size,
-                                max_scratch_bytes=max_scratch_bytes)
+    reason = unsupported_reason(geom, dtype, causal=causal, queries=queries,
+                                page_size=page_size, max_scratch_bytes=max_scratch_bytes)
     if reason is not None:
         raise ValueError(reason)
     if leave_out not in (None, *LEAVE_OUT):
