@@ -117,8 +117,9 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
         head runs the two-pass kernel (no scratch, each score computed twice). The Mosaic
         block sums hold at most 1.5 GiB (or this bound) per kernel call (a whole causal
         call about half its tiles' worth: the statistics folded), in row steps of every
-        head beyond it (`mosaic.estimate_plan`); "auto" runs the Triton kernel where not
-        even one row step fits. The reference ignores it.
+        head beyond it (`mosaic.estimate_plan`); "auto" runs the Triton kernel where
+        neither a causal call's folded statistics nor one row step of a wave of CTAs fits.
+        The reference ignores it.
 
     Returns:
       `(block_sums, mask)`: float32 and bool, both `[B, Hq, ceil(Lq/block_size),
