@@ -616,8 +616,8 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
                 f"{geom.stride} x head_dim {geom.head_dim} per CTA) needs {smem} bytes of "
                 f"shared memory with a ring of {MIN_STAGES} slots, over {SMEM_BYTES}")
     bound = max_scratch_bytes or MAX_SCRATCH_BYTES
-    folded = dataclasses.replace(plan, fold=True)
-    if causal and _fold_saves(plan) and folded.scratch_bytes <= bound:
+    if (causal and _fold_saves(plan)
+            and dataclasses.replace(plan, fold=True).scratch_bytes <= bound):
         return None  # one kernel call, its statistics folded
     if _call_rows(plan, bound) is None:
         rows = _wave_rows(plan)
