@@ -197,8 +197,8 @@ def _kernel_only(geom: Geometry, causal: bool, plan):
     from xattn_jax.mosaic import tile_stats
     from xattn_jax.row_statistics import LOG2_E
 
-    # all keys in use (no tail tile), the call's first row 0
-    scalars = jnp.array([geom.k_cols * STRIDE, 0], jnp.int32)
+    # all keys in use (no tail tile), the call's first row 0 and first head 0
+    scalars = jnp.array([geom.k_cols * STRIDE, 0, 0], jnp.int32)
     run = jax.jit(lambda q5, k5: tile_stats.tile_stats(
         q5, k5, None, None, scalars, plan=plan, causal=causal, scale=geom.scale * LOG2_E))
 

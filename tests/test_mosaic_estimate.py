@@ -297,7 +297,8 @@ def test_fold_defaults_and_refusals():
     assert long.fold and long.call_rows == 0
     assert long.scratch_bytes <= estimate_plan.MAX_SCRATCH_BYTES
     assert long.row_scratch_bytes * long.padded_rows > estimate_plan.MAX_SCRATCH_BYTES
-    assert plan(131072, 131072, causal=True, fold=False).call_rows == 8192
+    unfolded_long = plan(131072, 131072, causal=True, fold=False)  # head steps
+    assert (unfolded_long.call_rows, unfolded_long.call_heads) == (0, 16)
     assert not plan(1 << 20, 1 << 20, causal=True).fold  # row steps
     assert not plan(32768, 32768).fold  # non-causal
     assert not plan(32768, 32768, causal=True, cluster=2).fold
@@ -307,85 +308,142 @@ def test_fold_defaults_and_refusals():
         with pytest.raises(ValueError, match=f"fold needs .*{rule}"):
             plan(32768, 32768, fold=True, **options)
     with pytest.raises(ValueError, match="fold needs one kernel call; the folded"):
-        plan(32768, 32768, causal=True, fold=True, max_scratch_bytes=64 << 20)
+        plan(1 << 20, 1 << 20, causal=True, fold=True)  # a head's exceed 1.5 GiB
 
 
 def test_a_bound_holding_only_the_folded_statistics_takes_the_causal_call():
     """Causal 16K, 8 heads: 5.06 MiB of folded statistics, 9 MiB unfolded, 9.56 MiB for a
     row step holding a wave of row tiles. Within 6 MiB the Mosaic kernel takes the causal
-    call as one folded call; the non-causal one (nothing folds) is refused by the rule."""
+    call as one folded call; the non-causal one, and the causal one unfolded, run in head
+    steps of 4 heads (1.125 MiB a head: 5 fit, but 2 steps of 4 compute no head twice);
+    within 1 MiB nothing fits (refused)."""
     geom = Geometry(1, 8, 8, 16384, 16384, 128, 8, 128)
     bound = 6 << 20
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True,
                                        max_scratch_bytes=bound)
-    assert (plan.fold, plan.call_rows) == (True, 0)
+    assert (plan.fold, plan.call_rows, plan.call_heads) == (True, 0, 0)
     assert plan.scratch_bytes <= bound < plan.row_scratch_bytes * plan.padded_rows
     assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True,
                                             max_scratch_bytes=bound) is None
+    for causal, options in ((False, {}), (True, {"fold": False})):
+        assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=causal,
+                                                max_scratch_bytes=bound) is None
+        stepped = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal,
+                                              max_scratch_bytes=bound, **options)
+        assert (stepped.fold, stepped.call_rows, stepped.call_heads) == (False, 0, 4)
+        assert stepped.scratch_bytes == 4 * (9 << 20) // 8 <= bound
     assert "a wave of row tiles" in estimate_plan.unsupported_reason(
-        geom, jnp.bfloat16, max_scratch_bytes=bound)
-    with pytest.raises(ValueError, match="a wave of row tiles"):
-        estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, fold=False,
-                                    max_scratch_bytes=bound)
+        geom, jnp.bfloat16, max_scratch_bytes=1 << 20)
     chosen, reason = impls._mosaic_plan(geom, jnp.bfloat16, True, False, None, bound,
                                         auto=False)
     assert reason is None and chosen == plan
 
 
 def test_row_steps_bound_the_statistics_and_fill_the_waves():
-    """A call whose statistics exceed the bound runs in row steps of every head: each
-    step's statistics within the bound, whole row tiles and query blocks, and the step
-    size with the fewest waves of CTAs in all (`device_sms`: 132 on CPU and an H200).
-    Causal 128K, 32 heads: 2.4 GiB whole; 2 steps of 8192 rows (64 row tiles x 32 heads
-    = 2048 CTAs, 16 waves each). 1M: 4.8 GiB per head's rows; steps of 1024 rows (256
-    CTAs: 2 waves, 128 steps) take fewer waves than 1280 (320 CTAs: 3 waves, 103 steps);
-    512 (128 CTAs) would leave SMs idle. A bound holding no step of a wave is refused."""
+    """A call whose statistics exceed the bound, and one head's too, runs in row steps of
+    every head: each step's statistics within the bound, whole row tiles and query
+    blocks, and the step size with the fewest waves of CTAs in all (`device_sms`: 132 on
+    CPU and an H200). Non-causal 128K, 32 heads (2.25 GiB, 72 MiB a head) runs head
+    steps instead. 1M: 4.5 GiB a head; steps of 1024 rows (256 CTAs: 2 waves, 128 steps)
+    take fewer waves than 1280 (320 CTAs: 3 waves, 103 steps); 512 (128 CTAs) would
+    leave SMs idle. Within 3 GiB, 2048 rows (512 CTAs, 4 waves, 64 steps) tie with 1024
+    and are taken (the larger). A bound holding neither a row step of a wave nor a head
+    step is refused."""
     long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
     whole = estimate_plan.estimate_plan(Geometry(1, 32, 8, 65536, 65536, 128, 8, 128),
                                         jnp.bfloat16)
     assert whole.call_rows == 0 and whole.rows_per_call == 8192
-    plan = estimate_plan.estimate_plan(long, jnp.bfloat16)
-    assert plan.row_scratch_bytes * plan.padded_rows > estimate_plan.MAX_SCRATCH_BYTES
-    assert (plan.call_rows, plan.row_quantum, plan.row_groups(True)) == (8192, 128, 64)
+    heads = estimate_plan.estimate_plan(long, jnp.bfloat16)
+    assert (heads.call_rows, heads.call_heads) == (0, 16)
+    assert heads.scratch_bytes == 16 * (72 << 20)
+    million = Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(million, jnp.bfloat16)
+    assert (plan.call_rows, plan.call_heads, plan.row_quantum) == (1024, 0, 128)
     assert plan.scratch_bytes <= estimate_plan.MAX_SCRATCH_BYTES
-    million = estimate_plan.estimate_plan(Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128),
-                                          jnp.bfloat16)
-    assert million.call_rows == 1024 and million.scratch_bytes <= (3 << 29)
-    # 300 MiB: 2048 rows (512 CTAs, 4 waves, 8 steps) tie with 1024 (2 waves, 16 steps)
-    small = estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=300 << 20)
-    assert (small.call_rows, small.scratch_bytes) == (2048, 2048 * 147456)
-    # 64 MiB hold 384 rows: 96 CTAs, less than a wave (the Triton kernel takes the call)
-    rule = "one row step of a wave of row tiles \\(640 rows of every head\\)"
-    assert re.search(rule, estimate_plan.unsupported_reason(long, jnp.bfloat16,
-                                                            max_scratch_bytes=64 << 20))
+    assert dataclasses.replace(plan, call_rows=0, call_heads=1).scratch_bytes == 9 << 29
+    large = estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=3 << 30)
+    assert (large.call_rows, large.scratch_bytes) == (2048, 2048 * 1179648)
+    # 600 MiB hold 533 rows: 133 CTAs at 512 rows, short of the wave 640 rows give
+    rule = ("one row step of a wave of row tiles \\(640 rows of every head\\), or "
+            "4831838208 bytes for a head step")
+    assert re.search(rule, estimate_plan.unsupported_reason(million, jnp.bfloat16,
+                                                            max_scratch_bytes=600 << 20))
     with pytest.raises(ValueError, match="a wave of row tiles"):
-        estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=64 << 20)
+        estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=600 << 20)
     # blocks of 4096 tokens (512 rows): steps of whole query blocks, a wave at least
-    wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 131072, 131072, 128, 8, 4096),
-                                       jnp.bfloat16, max_scratch_bytes=64 << 20)
-    assert wide.row_quantum == 512 and wide.call_rows % 512 == 0
+    wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 4096),
+                                       jnp.bfloat16, max_scratch_bytes=256 << 20)
+    assert wide.row_quantum == 512 and wide.call_rows == 2048
     assert wide.call_rows // 128 * 32 >= estimate_plan.device_sms()
     assert wide.padded_rows >= wide.geom.q_blocks * wide.geom.block_rows
     with pytest.raises(ValueError, match="call_rows must be 0 or a positive multiple of 128"):
         estimate_plan.estimate_plan(long, jnp.bfloat16, call_rows=200)
-    paired = estimate_plan.estimate_plan(long, jnp.bfloat16, pair_rows=True)
-    assert not paired.paired(True)  # row steps walk one row tile per CTA
+    paired = estimate_plan.estimate_plan(million, jnp.bfloat16, pair_rows=True)
+    assert plan.call_rows and not paired.paired(True)  # row steps: a row tile per CTA
 
 
 def test_row_steps_and_auto_follow_the_device_sms(monkeypatch):
-    """On a Hopper of fewer SMs (an H100 PCIe: 114) a wave is 114 CTAs: causal 128K
-    within 80 MiB of statistics (568 rows of every head) runs row steps of 512 rows (128
-    CTAs), which 132 SMs refuse (a wave needs 640), and "auto" takes calls from 85 CTAs."""
-    long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
-    bound = 80 << 20
+    """On a Hopper of fewer SMs (an H100 PCIe: 114) a wave is 114 CTAs: non-causal 1M
+    within 600 MiB of statistics (533 rows of every head; one head's are 4.5 GiB) runs
+    row steps of 512 rows (128 CTAs), which 132 SMs refuse (a wave needs 640); and "auto"
+    takes calls from 85 CTAs."""
+    million = Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 128)
+    bound = 600 << 20
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)  # an H200
-    assert "a wave of row tiles" in estimate_plan.unsupported_reason(long, jnp.bfloat16,
-                                                                max_scratch_bytes=bound)
+    assert "a wave of row tiles" in estimate_plan.unsupported_reason(
+        million, jnp.bfloat16, max_scratch_bytes=bound)
     assert estimate_plan.auto_min_ctas() == 99
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 114)
-    plan = estimate_plan.estimate_plan(long, jnp.bfloat16, max_scratch_bytes=bound)
+    plan = estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=bound)
     assert plan.call_rows == 512 and plan.scratch_bytes <= bound
     assert estimate_plan.auto_min_ctas() == 85
+
+
+def test_head_steps_take_the_calls_no_row_step_of_a_wave_fits():
+    """Where no row step of a wave of row tiles fits the bound, a call runs in head steps
+    of whole heads: the most heads whose statistics fit, their CTAs (key groups
+    included) at least `auto_min_ctas`. Causal 128K (32 heads) within 64 MiB: one head
+    a step, folded (36.6 MiB), compacted in 4 key groups (320 CTAs). Non-causal 64K
+    block 64: one head (34 MiB), 2 key groups (128 CTAs). GQA 32:8 causal 32K within 16
+    MiB: 6 heads fit (2.4 MiB each), but 8 steps of 4 compute no head twice (6 steps of
+    6 would compute 36). Explicit call_heads (all rows; steps of 3 start inside a key
+    head's query heads) and its refusals."""
+    causal_128k = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
+    bound = 64 << 20
+    plan = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
+                                       max_scratch_bytes=bound)
+    assert (plan.call_heads, plan.call_rows, plan.fold, plan.key_groups) == (1, 0, True, 4)
+    assert (plan.heads, plan.pairs, plan.ctas(True)) == (1, 1, 320)
+    assert plan.scratch_bytes == plan.stats_shape[2] * 18 * 8192 * 4 <= bound
+    assert plan.stats_shape[:2] == (1, 1) and plan.compacted(True)
+    wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 65536, 65536, 128, 8, 64),
+                                       jnp.bfloat16, max_scratch_bytes=bound)
+    assert (wide.call_heads, wide.key_groups, wide.ctas(False)) == (1, 2, 128)
+    assert wide.scratch_bytes == 34 << 20
+    gqa = estimate_plan.estimate_plan(Geometry(1, 32, 8, 32768, 32768, 128, 8, 128),
+                                      jnp.bfloat16, causal=True, max_scratch_bytes=16 << 20)
+    assert (gqa.call_heads, gqa.fold) == (4, True) and gqa.scratch_bytes <= 16 << 20
+    assert estimate_plan.unsupported_reason(causal_128k, jnp.bfloat16, causal=True,
+                                            max_scratch_bytes=bound) is None
+    # a head's folded statistics over the bound: refused, both counts in the reason
+    reason = estimate_plan.unsupported_reason(causal_128k, jnp.bfloat16, causal=True,
+                                              max_scratch_bytes=32 << 20)
+    assert re.search(r"\(640 rows of every head\), or 38338560 bytes for a head step of "
+                     r"one head's rows \(320 CTAs, of the 99 a step needs\)", reason)
+    with pytest.raises(ValueError, match="or 38338560 bytes for a head step"):
+        estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
+                                    max_scratch_bytes=32 << 20)
+    # fewer CTAs than "auto" runs on Mosaic: 16K non-causal, 2 heads of 32 row tiles
+    few = Geometry(1, 2, 2, 16384, 16384, 128, 8, 128)
+    assert "(64 CTAs, of the 99" in estimate_plan.unsupported_reason(
+        few, jnp.bfloat16, max_scratch_bytes=1 << 20)
+    explicit = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
+                                           call_heads=3)
+    assert (explicit.call_heads, explicit.call_rows, explicit.fold) == (3, 0, True)
+    for options in ({"call_heads": 33}, {"call_heads": -1},
+                    {"call_heads": 2, "call_rows": 128}):
+        with pytest.raises(ValueError, match="call_heads must be in \\[0, 32\\]"):
+            estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True, **options)
 
 
 @pytest.mark.parametrize("q_heads, q_len, k_len, groups", [
@@ -436,9 +494,9 @@ def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, gr
     pairs whose CTAs fill a wave interleaved, longest first, unless their key heads'
     keys exceed LAUNCH_KEY_BYTES (then as many key heads' pairs as it holds, at least
     one's): on 132 SMs less idle time than one pair's row tiles after another (5.5-21% at
-    16K-64K); non-causal calls, causal calls in key groups (the default), clusters and
-    paired row tiles keep one pair at a time; head_group overrides the rule and is
-    checked."""
+    16K-64K, 0.5% at 128K); non-causal calls, causal calls in key groups (the default),
+    clusters and paired row tiles keep one pair at a time; head_group overrides the rule
+    and is checked."""
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)
     geom = Geometry(1, 32, kv_heads, q_len, q_len, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, key_groups=1)
@@ -451,9 +509,10 @@ def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, gr
     idle_share = _idle_share(_launch_order(plan, True), 132)
     assert idle_share <= idle
     if not plan.call_rows:  # (the model walks one call from row 0)
-        one_at_a_time = estimate_plan.estimate_plan(geom, jnp.bfloat16, head_group=1)
-        assert _idle_share(_launch_order(one_at_a_time, True), 132) >= max(idle_share,
-                                                                          0.05)
+        one_at_a_time = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True,
+                                                    key_groups=1, head_group=1)
+        alone = _idle_share(_launch_order(one_at_a_time, True), 132)
+        assert alone >= max(idle_share, 0.05 if q_len <= 65536 else 0.0)
     clustered = estimate_plan.estimate_plan(geom, jnp.bfloat16, queries="resident", cluster=2)
     assert clustered.launch_group(True) == 1
     paired = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, pair_rows=True)
@@ -462,7 +521,8 @@ def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, gr
     for options in ({"head_group": 3}, {"head_group": 0},
                     {"head_group": 2, "queries": "resident", "cluster": 2},
                     {"head_group": 2, "persistent": True}):
-        with pytest.raises(ValueError, match="head_group must divide B x Hq = 32"):
+        with pytest.raises(ValueError,
+                           match=r"head_group must divide the \d+ \(batch, head\) pairs"):
             estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
 
 
@@ -510,12 +570,11 @@ def test_key_groups_plan_and_refusals():
 
 def test_causal_calls_take_key_groups():
     """A causal call's default plan splits each row tile's key tiles among
-    CAUSAL_KEY_GROUPS CTAs (at most its key tiles), whole or in row steps, whose size
-    still follows the row tiles (64 MiB at causal 128K stay refused, and 1.5 GiB give
-    unfolded statistics the steps they gave without key groups; folded, causal 128K is
-    one call), up to 32 MiB of keys a head (causal 1M's 256 MiB take none); the same call
-    non-causal, explicit key groups, pair_rows, clusters and the persistent grid keep
-    theirs."""
+    CAUSAL_KEY_GROUPS CTAs (at most its key tiles), whole or in head steps, whose size
+    follows the statistics (unfolded, causal 128K takes the non-causal call's steps of 16
+    heads; folded, it is one call, and within 64 MiB steps of one head), up to 32 MiB of
+    keys a head (causal 1M's 256 MiB take none); the same call non-causal, explicit key
+    groups, pair_rows, clusters and the persistent grid keep theirs."""
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)  # 16 key tiles
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
     assert estimate_plan.CAUSAL_KEY_GROUPS == 4
@@ -533,12 +592,10 @@ def test_causal_calls_take_key_groups():
     stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True, fold=False)
     alone = estimate_plan.estimate_plan(long, jnp.bfloat16)
     assert (whole.key_groups, whole.call_rows, whole.fold) == (4, 0, True)
-    assert (stepped.key_groups, stepped.call_rows) == (4, alone.call_rows) == (4, 8192)
-    assert "a wave of row tiles" in estimate_plan.unsupported_reason(
-        long, jnp.bfloat16, causal=True, max_scratch_bytes=64 << 20)
-    with pytest.raises(ValueError, match="a wave of row tiles"):
-        estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True,
-                                    max_scratch_bytes=64 << 20)
+    assert (stepped.key_groups, stepped.call_heads) == (4, alone.call_heads) == (4, 16)
+    bounded = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True,
+                                          max_scratch_bytes=64 << 20)  # head steps
+    assert (bounded.key_groups, bounded.call_heads, bounded.fold) == (4, 1, True)
     assert stepped.head_key_bytes == estimate_plan.CAUSAL_KEY_GROUPS_MAX_BYTES == 32 << 20
     longest = Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128)
     assert estimate_plan.estimate_plan(longest, jnp.bfloat16, causal=True).key_groups == 1
@@ -758,7 +815,7 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 def test_kernel_lowers_with_keys_in_use_pages_and_row_steps(page_size):
     """The chunk scores' call (a traced key count; a contiguous buffer or pages of 4096
     and 1024 tokens: key tiles of 256 and 128 columns) and a causal call of 128K in row
-    steps lower for CUDA."""
+    steps and, within 64 MiB, in head steps lower for CUDA."""
     geom = _geom(1, 32, 8, 4096, 65536, 128, 8, 1024, False)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size)
     q = jax.ShapeDtypeStruct((1, 32, 4096, 128), jnp.bfloat16)
@@ -777,9 +834,12 @@ def test_kernel_lowers_with_keys_in_use_pages_and_row_steps(page_size):
         lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.custom_call @mosaic_gpu" in text
     long = (1, 32, 8, 131072, 131072, 128, 8, 128)
-    stepped = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16)
-    assert stepped.call_rows == 8192
+    stepped = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16, call_rows=8192)
     assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, stepped)
+    heads = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16, causal=True,
+                                        max_scratch_bytes=64 << 20)
+    assert heads.call_heads == 1
+    assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, heads)
 
 
 @needs_mosaic_gpu
@@ -972,7 +1032,9 @@ def _interpreted_equals_reference(q, k, geom, plan, *, causal, key_len, page_siz
 # tokens (a key tile each) with the keys ending in a page; row steps of 128 rows (3
 # steps over 19 query blocks, the last overlapping the one before) causal and
 # non-causal, and of a cluster of 2 resident row tiles; key groups (3 spans of 2 of 5
-# tiles) over the paged cache, and in row steps.
+# tiles) over the paged cache, and in row steps; head steps: of 3 of 4 heads (GQA 2:1,
+# the second step overlapping the first and starting inside a key head's group) causal
+# and folded, of 1 head over the paged cache with keys in use, of 2 of 3 heads in batch 2.
 INTERPRET_KEY_CASES = [
     (2, 2, 1, 190, 512, 64, 2, 32, False, 301, None, {"block_k": 64}),
     (1, 2, 1, 128, 512, 64, 2, 32, False, 256, None, {"block_k": 64}),
@@ -985,6 +1047,9 @@ INTERPRET_KEY_CASES = [
     (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {"key_groups": 3}),
     (1, 2, 1, 600, 700, 64, 2, 32, False, None, None,
      {"block_k": 64, "call_rows": 128, "key_groups": 2}),
+    (1, 4, 2, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_heads": 3}),
+    (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {"call_heads": 1}),
+    (2, 3, 3, 190, 512, 64, 2, 32, False, None, None, {"block_k": 64, "call_heads": 2}),
 ]
 
 
@@ -1001,6 +1066,7 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal,
                                        page_size=page_size, **options)
     assert plan.call_rows == options.get("call_rows", 0)
+    assert plan.call_heads == options.get("call_heads", 0)
     _interpreted_equals_reference(q, k, geom, plan, causal=causal, key_len=key_len,
                                   page_size=page_size, rand=rand, case=case)
 
@@ -1105,7 +1171,9 @@ GPU_CASES = [
 # 64 columns), row steps (causal, in the default key groups and in one; non-causal; 8
 # and 3 steps, the last overlapping), key groups (a chunk's half on 2 GPUs in 2 spans; a
 # paged cache in 3; causal in 3, spans of the long row tiles only), the persistent grid,
-# and a bound holding only the whole call's folded statistics.
+# a bound holding only the whole call's folded statistics; head steps: by the bound (4
+# of 8 heads, non-causal), GQA 32:8 causal folded in steps of 6 heads (the last
+# overlapping), a paged cache with keys in use in steps of 3 heads.
 GPU_KEY_CASES = [
     (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
     (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
@@ -1125,6 +1193,9 @@ GPU_KEY_CASES = [
     (2, 8, 2, 2000, 3024, 128, 8, 256, False, None, None, {"persistent": True}),
     (1, 8, 2, 2048, 2048, 128, 16, 128, True, None, None, {"persistent": True}),
     (1, 8, 8, 16384, 16384, 128, 8, 128, True, None, None, {"max_scratch_bytes": 6 << 20}),
+    (1, 8, 8, 16384, 16384, 128, 8, 128, False, None, None, {"max_scratch_bytes": 6 << 20}),
+    (1, 32, 8, 8192, 8192, 128, 8, 128, True, None, None, {"call_heads": 6}),
+    (2, 8, 2, 4096, 16384, 128, 8, 1024, False, 12345, 4096, {"call_heads": 3}),
 ]
 
 

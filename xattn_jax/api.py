@@ -116,9 +116,10 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
         more steps (measured up to 17% slower at 64K); one below a single row step of one
         head runs the two-pass kernel (no scratch, each score computed twice). The Mosaic
         block sums hold at most 1.5 GiB (or this bound) per kernel call (a whole causal
-        call about half its tiles' worth: the statistics folded), in row steps of every
-        head beyond it (`mosaic.estimate_plan`); "auto" runs the Triton kernel where
-        neither a causal call's folded statistics nor one row step of a wave of CTAs fits.
+        call about half its tiles' worth: the statistics folded), beyond it in steps of
+        whole heads, or where one head's exceed it in row steps of every head
+        (`mosaic.estimate_plan`); "auto" runs the Triton kernel where neither a causal
+        call's folded statistics, nor one head, nor one row step of a wave of CTAs fits.
         The reference ignores it.
 
     Returns:

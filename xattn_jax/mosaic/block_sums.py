@@ -11,8 +11,8 @@ in place with the same weights (`_folded_block_sums`). With a count of keys in u
 kernel reads the key tile holding the last key from a copy in which every later token is
 zero (`_tail_tile`), so that a count ending inside a stride group needs nothing outside
 the kernel (section 1: the partly filled group reads zeros); a call whose statistics
-exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`,
-`row_statistics.in_steps`).
+exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`) or
+in head steps over all rows (`EstimatePlan.call_heads`; `row_statistics.in_steps`).
 """
 
 from __future__ import annotations
@@ -175,10 +175,11 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
     scale = geom.scale / norm * LOG2_E
 
     def block_sums_of(first_head, first_row, q_blocks):
-        """`[B, Hq, q_blocks, kb]` of the rows from first_row (all heads: first_head 0)."""
-        del first_head
+        """`[B, plan.heads, q_blocks, kb]` of the heads from first_head and the rows from
+        first_row."""
         first = jnp.asarray(first_row, jnp.int32)[None] // COLUMN_TILE  # tile_stats' unit
-        scalars = jnp.concatenate([kernel_keys, first])
+        scalars = jnp.concatenate([kernel_keys, first,
+                                   jnp.asarray(first_head, jnp.int32)[None]])
         stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
                                       causal=causal, scale=scale)
         if plan.fold:  # a whole causal call: all rows, all keys
@@ -186,6 +187,7 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         maxes, sums, totals = _planes(stats, plan, causal, first_row, cols)
         return combine(maxes, sums, totals, geom, plan.unit, first_row, q_blocks, sees_keys)
 
-    if not plan.call_rows:
+    if not plan.call_rows and not plan.call_heads:
         return block_sums_of(0, 0, geom.q_blocks)
-    return in_steps(geom, geom.q_heads, plan.call_rows // geom.block_rows, block_sums_of)
+    row_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks
+    return in_steps(geom, plan.heads, row_blocks, block_sums_of)

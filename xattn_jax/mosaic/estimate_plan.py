@@ -263,8 +263,10 @@ class EstimatePlan(UnitSums):
     step_loop (streamed queries): 0, a key tile's product steps unrolled, or n >= 1, its
     steps 1 .. steps_per_tile - 1 as a loop unrolled n times (n divides their count);
     fold (causal calls of one kernel call, cluster 1): the statistics folded
-    (`folded_place`: `[B, Hq, fold_slots, stat_planes, fold_places x rows]`), else `[B, Hq,
-    key_tiles, stat_planes, rows_per_call]`.
+    (`folded_place`: `[B, H, fold_slots, stat_planes, fold_places x rows]`), else `[B, H,
+    key_tiles, stat_planes, rows_per_call]` (H = `heads`); call_heads: the query heads
+    one kernel call covers, 0 for all, else the call runs in head steps of whole heads'
+    rows (call_rows 0; `_call_heads` sizes them).
     """
 
     geom: Geometry
@@ -285,6 +287,7 @@ class EstimatePlan(UnitSums):
     trim_columns: int = 0
     step_loop: int = 0
     fold: bool = False
+    call_heads: int = 0
 
     @property
     def masked_widths(self) -> tuple[int, ...]:
@@ -294,9 +297,15 @@ class EstimatePlan(UnitSums):
         return tuple(range(step, self.block_k + 1, step))
 
     @property
+    def heads(self) -> int:
+        """The query heads of one kernel call: `call_heads`, or all Hq."""
+        return self.call_heads or self.geom.q_heads
+
+    @property
     def pairs(self) -> int:
-        """The (batch, query head) pairs, B x Hq: each has its own rows and statistics."""
-        return self.geom.batch * self.geom.q_heads
+        """The (batch, query head) pairs of one kernel call, B x `heads`: each has its own
+        rows and statistics."""
+        return self.geom.batch * self.heads
 
     @property
     def rows(self) -> int:
@@ -489,15 +498,14 @@ class EstimatePlan(UnitSums):
 
     @property
     def stats_shape(self) -> tuple[int, int, int, int, int]:
-        """The kernel's statistics: `[B, Hq, slots, stat_planes, rows]`, slots and rows
-        `fold_slots` and `fold_places` x `rows` folded, else `key_tiles` and
+        """The kernel's statistics: `[B, heads, slots, stat_planes, rows]`, slots and
+        rows `fold_slots` and `fold_places` x `rows` folded, else `key_tiles` and
         `rows_per_call`."""
-        geom = self.geom
         if self.fold:
             slots, rows = self.fold_slots, self.fold_places * self.rows
         else:
             slots, rows = self.key_tiles, self.rows_per_call
-        return geom.batch, geom.q_heads, slots, self.stat_planes, rows
+        return self.geom.batch, self.heads, slots, self.stat_planes, rows
 
     @property
     def scratch_bytes(self) -> int:
@@ -518,12 +526,20 @@ def walked_cells(plan: EstimatePlan) -> tuple[int, ...]:
                  if j * span < seen[g])
 
 
-@functools.lru_cache(maxsize=64)
 def row_tiles_seen(plan: EstimatePlan) -> tuple[int, ...]:
     """`visible_tiles` of each row tile of a whole causal call, concrete (also while a
-    caller traces): the compacted grid's cells, the folded statistics' slots."""
+    caller traces): the compacted grid's cells, the folded statistics' slots. Computed
+    once per geometry and tile, whatever the plan's other fields (head steps, key
+    groups, ring)."""
+    return _row_tiles_seen(plan.geom, plan.block_k, plan.queries, plan.call_row_tiles)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_tiles_seen(geom: Geometry, block_k: int, queries: str,
+                    row_tiles: int) -> tuple[int, ...]:
+    plan = EstimatePlan(geom, block_k, BLOCK_D, MIN_STAGES, queries=queries)
     with jax.ensure_compile_time_eval():
-        seen = visible_tiles(plan, True, np.arange(plan.call_row_tiles) * plan.rows)
+        seen = visible_tiles(plan, True, np.arange(row_tiles) * plan.rows)
         return tuple(int(n) for n in np.asarray(seen))
 
 
@@ -589,9 +605,11 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     memory with a ring of MIN_STAGES slots (resident queries: 64 rows x S x D of them
     besides, which S 16 at D 128 exceeds), and within `max_scratch_bytes` (default
     MAX_SCRATCH_BYTES) the statistics of one row step of every head holding a wave of
-    row tiles (`_call_rows`) or, in a causal call, the whole call's folded statistics
-    where the default plan folds them (`_fold_saves`). Any Lq and Lk otherwise (padded
-    to whole tiles by the caller). The Triton backend takes everything else.
+    row tiles (`_call_rows`), or of a head step of whole heads in at least
+    `auto_min_ctas` CTAs (`_call_heads`), or, in a causal call, the whole call's folded
+    statistics where the default plan folds them (`_fold_saves`). Any Lq and Lk
+    otherwise (padded to whole tiles by the caller). The Triton backend takes everything
+    else.
     """
     _check_queries(queries)
     dtype = jnp.dtype(dtype)
@@ -619,11 +637,12 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     if (causal and _fold_saves(plan)
             and dataclasses.replace(plan, fold=True).scratch_bytes <= bound):
         return None  # one kernel call, its statistics folded
-    if _call_rows(plan, bound) is None:
-        rows = _wave_rows(plan)
-        return (f"impl='mosaic' block sums need {plan.row_scratch_bytes * rows} bytes of "
-                f"statistics for one row step of a wave of row tiles ({rows} rows of every "
-                f"head), over max_scratch_bytes={bound}")
+    folded = dataclasses.replace(  # as `estimate_plan` makes the call's
+        plan, fold=causal and _fold_saves(plan),
+        key_groups=_causal_key_groups(plan) if causal else 1)
+    if (_call_rows(plan, bound) is None
+            and _call_heads(folded, causal, bound, default_groups=True) is None):
+        return _steps_refused(folded, causal, bound)
     return None
 
 
@@ -639,11 +658,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   ordered_stats: bool | None = None,
                   trim_columns: int | None = None,
                   step_loop: int | None = None,
-                  fold: bool | None = None) -> EstimatePlan:
+                  fold: bool | None = None,
+                  call_heads: int | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
-    call may hold (default MAX_SCRATCH_BYTES): a call holding more runs in row steps
+    call may hold (default MAX_SCRATCH_BYTES): a call holding more runs in head steps
+    (`_call_heads`) or, where one head's statistics exceed it, in row steps
     (`_call_rows`).
 
     block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
@@ -659,13 +680,14 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     stages than a key tile's steps) and trim_columns (0, or a divisor of block_k and
     multiple of COLUMN_TILE) and step_loop (0, or with the streamed queries a divisor of
     a key tile's steps less one) and fold (causal calls of one kernel call, cluster 1)
-    override the defaults
-    (tuning runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest
-    multiple of 64 up to it that divides a page's columns), STAGGER with the streamed
-    queries, PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
-    `_call_rows`, `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest
-    allows it, the rule of `EstimatePlan.launch_group`, and ORDERED_STATS with the
-    streamed queries in non-causal calls whose ring is shorter than a key tile's steps,
+    and call_heads (the query heads of a head step, at most Hq, with call_rows 0 or
+    None; or 0) override the defaults (tuning runs, tests): QUERIES, BLOCK_K of the
+    layout (with a paged k, the largest multiple of 64 up to it that divides a page's
+    columns), STAGGER with the streamed queries, PAIR_ROWS, the most stages that fit in
+    shared memory, at most MAX_STAGES, `_call_heads` (else `_call_rows`),
+    `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest allows it, the rule
+    of `EstimatePlan.launch_group`, and ORDERED_STATS with the streamed queries in
+    non-causal calls whose ring is shorter than a key tile's steps,
     `default_trim_columns`, `default_step_loop`, and folded statistics in causal calls
     of one kernel call and cluster 1 where they take less memory (`_fold_saves`; a call
     whose folded statistics fit within the bound runs as one kernel call).
@@ -766,11 +788,6 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         plan = dataclasses.replace(plan, key_groups=key_groups)
     if default_loop:
         plan = dataclasses.replace(plan, step_loop=default_step_loop(plan, causal))
-    if head_group is not None and (head_group < 1 or plan.pairs % head_group or (
-            head_group > 1 and (cluster > 1 or persistent))):
-        raise ValueError(f"head_group must divide B x Hq = {plan.pairs}, and be 1 with a "
-                         f"cluster or a persistent grid (their grids' own order); got "
-                         f"{head_group} with cluster {cluster}, persistent {bool(persistent)}")
     if plan.key_groups > plan.key_tiles:
         raise ValueError(f"key_groups must be at most the {plan.key_tiles} key tiles; got "
                          f"{key_groups}")
@@ -778,6 +795,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
                          f"{SMEM_BYTES}")
+    if call_heads is not None and (not 0 <= call_heads <= geom.q_heads
+                                   or (call_heads and call_rows)):
+        raise ValueError(f"call_heads must be in [0, {geom.q_heads}] (the query heads of "
+                         f"a head step), with call_rows 0 or None (a head step covers "
+                         f"every row); got call_heads={call_heads}, call_rows={call_rows}")
+    if call_heads:
+        call_rows = 0
     if fold and (not causal or cluster > 1 or call_rows):
         raise ValueError(f"fold needs a causal call of one kernel call (call_rows 0) and "
                          f"cluster 1 (a row tile stores only the tiles it sees); got "
@@ -787,12 +811,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         fold = causal and cluster == 1 and not call_rows and _fold_saves(plan)
     plan = dataclasses.replace(plan, fold=bool(fold))
     bound = max_scratch_bytes or MAX_SCRATCH_BYTES
-    if call_rows is None:
-        call_rows = _call_rows(plan, bound)
+    if call_rows is None:  # one call, else head steps, else row steps
+        if plan.scratch_bytes > bound:
+            call_heads = _call_heads(plan, causal, bound, key_groups is None)
+        call_rows = 0 if call_heads or plan.scratch_bytes <= bound else _call_rows(plan,
+                                                                                 bound)
         if call_rows is None:
-            raise ValueError(f"plan {plan} needs {plan.row_scratch_bytes * _wave_rows(plan)}"
-                             f" bytes of statistics for one row step of a wave of row tiles; "
-                             f"the limit is {bound}")
+            raise ValueError(f"plan {plan}: {_steps_refused(plan, causal, bound)}")
     elif call_rows < 0 or call_rows % plan.row_quantum:
         raise ValueError(f"call_rows must be 0 or a positive multiple of {plan.row_quantum}"
                          f" (whole clusters of row tiles and whole query blocks); got "
@@ -800,7 +825,14 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if call_rows and plan.fold and not default_fold:
         raise ValueError(f"fold needs one kernel call; the folded statistics "
                          f"({plan.scratch_bytes} bytes) exceed max_scratch_bytes={bound}")
-    plan = dataclasses.replace(plan, call_rows=call_rows, fold=plan.fold and not call_rows)
+    plan = dataclasses.replace(plan, call_rows=call_rows, fold=plan.fold and not call_rows,
+                               call_heads=call_heads or 0)
+    if head_group is not None and (head_group < 1 or plan.pairs % head_group or (
+            head_group > 1 and (cluster > 1 or persistent))):
+        raise ValueError(f"head_group must divide the {plan.pairs} (batch, head) pairs "
+                         f"of a kernel call, and be 1 with a cluster or a persistent grid "
+                         f"(their grids' own order); got {head_group} with cluster "
+                         f"{cluster}, persistent {bool(persistent)}")
     if persistent:
         return dataclasses.replace(plan, persistent_ctas=min(
             device_sms(), plan.step_ctas(plan.rows_per_call)))
@@ -876,8 +908,8 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     in all (steps x waves per step: a step's CTAs see about as many key tiles each, so a
     step lasts about its waves); of equals, the one computing the fewest rows twice (the
     last step ends at the last query block, overlapping the one before), then the
-    largest (fewer calls). None if no such step fits (the Triton kernel, which "auto"
-    then runs, was faster than smaller steps)."""
+    largest (fewer calls). None if no such step fits (smaller steps ran slower than the
+    Triton kernel; head steps, `_call_heads`, may fit)."""
     geom = plan.geom
     if plan.scratch_bytes <= bound:  # one call (`plan`: call_rows 0), folded or not
         return 0
@@ -893,6 +925,56 @@ def _call_rows(plan: EstimatePlan, bound: int) -> int | None:
     if not steps:
         return None
     return min(steps, key=lambda rows: (waves(rows), cdiv(extent, rows) * rows, -rows))
+
+
+def _call_heads(plan: EstimatePlan, causal: bool, bound: int,
+                default_groups: bool) -> int | None:
+    """The query heads of each head step of a call whose statistics exceed `bound` bytes
+    (`plan`: call_rows 0, its fold and causal key groups the call's), or None where one
+    head's exceed it too or the steps' CTAs (in their key groups: with `default_groups`,
+    a non-causal step's `_key_groups`) are fewer than "auto" runs on Mosaic
+    (`auto_min_ctas`). Of the step sizes that fit and fill, the one computing the fewest
+    heads in all (ceil(Hq / n) steps of n heads, the last overlapping the one before),
+    then the fewest steps. A head step holds every row of its heads, so a causal step
+    keeps the compacted grid and the folded statistics.
+
+    Head steps come before row steps (`_call_rows`). H200, block sums, medians of 3
+    rotating rounds (mosaic_estimate_h200.md, session 24): causal 128K, one call (1.1
+    GiB of statistics) / steps of 1 head (36.6 MiB) / 2 heads (73 MiB) / row steps of
+    640 rows (90 MiB) / the Triton kernel within 64 MiB: 16.116 / 16.752 / 16.400 /
+    18.701 / 19.625 ms; causal 64K, one call / steps of 4 heads / 6 heads (36 computed)
+    / row steps of 640 rows / Triton within 64 MiB: 3.915 / 4.069 / 4.460 / 4.854 /
+    4.984; non-causal 64K block 64, one call / steps of 1 head / Triton within 64 MiB:
+    7.637 / 7.820 / 8.748."""
+    most = min(bound // dataclasses.replace(plan, call_heads=1).scratch_bytes,
+               plan.geom.q_heads)
+    heads = [n for n in range(1, most + 1)
+             if _head_step(plan, causal, n, default_groups).ctas(causal) >= auto_min_ctas()]
+    if not heads:
+        return None
+    q_heads = plan.geom.q_heads
+    return min(heads, key=lambda n: (cdiv(q_heads, n) * n, cdiv(q_heads, n)))
+
+
+def _head_step(plan: EstimatePlan, causal: bool, heads: int,
+               default_groups: bool) -> EstimatePlan:
+    """`plan` in head steps of `heads` query heads, with `default_groups` in a non-causal
+    call's default key groups (`_key_groups`: they depend on the step's CTAs)."""
+    step = dataclasses.replace(plan, call_heads=heads)
+    if default_groups and not causal and step.cluster == 1 and not step.pair_rows:
+        step = dataclasses.replace(step, key_groups=_key_groups(step))
+    return step
+
+
+def _steps_refused(plan: EstimatePlan, causal: bool, bound: int) -> str:
+    """Why neither a row step of a wave (`_call_rows`) nor a head step (`_call_heads`,
+    default key groups) of `plan` fits within `bound` bytes of statistics."""
+    rows, head = _wave_rows(plan), _head_step(plan, causal, 1, default_groups=True)
+    return (f"impl='mosaic' block sums need {plan.row_scratch_bytes * rows} bytes of "
+            f"statistics for one row step of a wave of row tiles ({rows} rows of every "
+            f"head), or {head.scratch_bytes} bytes for a head step of one head's rows "
+            f"({head.ctas(causal)} CTAs, of the {auto_min_ctas()} a step needs), over "
+            f"max_scratch_bytes={bound}")
 
 
 def default_trim_columns(block_k: int) -> int:

@@ -73,8 +73,8 @@ variant of the tile's code per width, chosen per tile; later units' sums are 0).
 no row of the row tile sees are neither computed nor stored
 (`estimate_plan.visible_tiles`: the caller fills them).
 
-Keys in use, pages and row steps (the scalars input, int32 `[2]`, read from global
-memory by every warpgroup): the kernel sees only the first `scalars[0]` keys, whole
+Keys in use, pages, row steps and head steps (the scalars input, int32 `[3]`, read from
+global memory by every warpgroup): the kernel sees only the first `scalars[0]` keys, whole
 stride groups, and reads the key tile holding the last of them from the tail operand
 (`[B, Hkv, block_k, S, D]`: the caller's copy of that tile with every key past the
 count zero, so a partly filled last group reads zeros, section 1): a CTA walks no key
@@ -88,7 +88,9 @@ source. A call in row steps
 head (a multiple of COLUMN_TILE, as Mosaic GPU's TMA layout inference wants the query
 rows' index known to be): the queries are read at those rows and visibility counts
 them, while the statistics are written at the call's own rows (its scratch holds
-call_rows).
+call_rows). A call in head steps (`plan.call_heads`) covers the query heads
+`scalars[2]` .. + call_heads, all their rows: the queries (and their key heads) are read
+at those heads, the statistics written at the call's own (its scratch holds call_heads).
 
 `plan.leave_out` (timing only) skips the consumers' products or their statistics past
 the maxima; the pipeline and the stores stay.
@@ -166,13 +168,14 @@ def _grid(plan: EstimatePlan, causal: bool) -> dict[str, int]:
 
 
 def _batch_and_head(plan: EstimatePlan, causal: bool):
-    """This CTA's batch element and query head on the grid of `_grid` (not persistent)."""
+    """This CTA's batch element and query head of the call (of `plan.heads`) on the grid
+    of `_grid` (not persistent)."""
     pair = lax.axis_index(PAIR_AXIS)
     group = plan.launch_group(causal)
     if group > 1:
         pair = lax.axis_index(GROUP_AXIS) * group + pair
-    q_heads = jnp.int32(plan.geom.q_heads)
-    return lax.div(pair, q_heads), lax.rem(pair, q_heads)
+    heads = jnp.int32(plan.heads)
+    return lax.div(pair, heads), lax.rem(pair, heads)
 
 
 def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref):
@@ -242,8 +245,7 @@ def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, walk):
         tile, i = lax.rem(i, tiles), lax.div(i, tiles)
         row_block, i = lax.rem(i, jnp.int32(plan.row_blocks)), lax.div(
             i, jnp.int32(plan.row_blocks))
-        head, batch = lax.rem(i, jnp.int32(plan.geom.q_heads)), lax.div(
-            i, jnp.int32(plan.geom.q_heads))
+        head, batch = lax.rem(i, jnp.int32(plan.heads)), lax.div(i, jnp.int32(plan.heads))
         row_tile = row_block * block + row_in_block
         row0 = row_tile * plan.rows
         seen = ((row_tile < plan.call_row_tiles)
@@ -257,8 +259,8 @@ def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, walk):
 
 
 def _shift(x, offset):
-    """x + offset, x itself where offset is the Python int 0 (no key groups: the kernel
-    stays the one measured without them)."""
+    """x + offset, x itself where offset is the Python int 0 (no key groups, no head
+    steps: the kernel stays the one measured without them)."""
     return x if isinstance(offset, int) and offset == 0 else x + offset
 
 
@@ -287,13 +289,13 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     cache viewed as [num_pages, page_size / S, S, Hkv, D], then the block table int32
     [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], with
     a compacted grid its cells int32 [grid_rows] (`estimate_plan.walked_cells`), the
-    scalars int32 [2] (the keys in use, whole stride groups; the call's first reshaped
-    query row / COLUMN_TILE), stats float32 `plan.stats_shape`; scratch as
-    `_scratch_types` makes it (q_ready None with the streamed queries, lead None without
-    stagger, turn None without ordered_stats); scale: A' = product x scale. The scalars
-    are read only where they vary: the keys with `keys_in_use` (else all k_cols
-    columns), the first row in row steps (else 0), so that a whole call of all keys runs
-    with static bounds."""
+    scalars int32 [3] (the keys in use, whole stride groups; the call's first reshaped
+    query row / COLUMN_TILE; its first query head), stats float32 `plan.stats_shape`;
+    scratch as `_scratch_types` makes it (q_ready None with the streamed queries, lead
+    None without stagger, turn None without ordered_stats); scale: A' = product x scale.
+    The scalars are read only where they vary: the keys with `keys_in_use` (else all
+    k_cols columns), the first row in row steps and the first head in head steps (else
+    0), so that a whole call of all keys runs with static bounds."""
     refs = list(refs)
     table_ref = refs.pop(0) if plan.page_size else None
     tail_ref = refs.pop(0) if keys_in_use else None
@@ -314,6 +316,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
         # a multiple of COLUMN_TILE rows, so that TMA's layout inference knows the
         # queries' row index to be one (block_rows is: `unsupported_reason`)
         first_row = scalars_ref[1] * COLUMN_TILE
+    first_head = scalars_ref[2] if plan.call_heads else 0
     each_unit = _cta_work(plan, causal, first_row, cols, cells_ref)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
@@ -469,6 +472,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
             """The chunks of key tiles lo .. lo + num_tiles - 1 of the row tile of (batch,
             head) starting at row0 of the call, the CTA's steps `index` (resident
             queries: the row tile's queries first; a CTA has one row tile then)."""
+            head = _shift(head, first_head)  # of all the query heads
             if not streamed:
                 for member in range(geom.stride):
                     for part in range(parts):
@@ -587,15 +591,16 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
     """Runs the kernel: q `[B, Hq, padded_rows, S, D]`, k `[B, Hkv, padded_cols, S, D]`
     (bfloat16 or float16, zero-padded) or, with `plan.page_size`, a paged cache viewed as
     `[num_pages, page_size / S, S, Hkv, D]` read through `table` (int32 `[B,
-    pages_per_seq]`, ids in [0, num_pages)); scalars int32 `[2]`: the keys in use (whole
-    stride groups, at most k_cols x S) and the first reshaped query row of this call (a
-    row step; 0 for all rows) divided by COLUMN_TILE; tail: None (scalars[0] is then
-    k_cols x S, and the kernel takes it as a constant) or the key tile holding the last
-    key in use, `[B, Hkv, block_k, S, D]` in k's dtype, with every key past the count
-    zero (read instead of k's tile); scale = log2(e) / (sqrt(D) S norm). Returns float32
-    `plan.stats_shape`: `[B, Hq, key_tiles, stat_planes, rows_per_call]`, or with
-    `plan.fold` the folded statistics (`estimate_plan.folded_place`); entries of tiles no
-    row of a row tile sees (`estimate_plan.visible_tiles`) are not written."""
+    pages_per_seq]`, ids in [0, num_pages)); scalars int32 `[3]`: the keys in use (whole
+    stride groups, at most k_cols x S), the first reshaped query row of this call (a
+    row step; 0 for all rows) divided by COLUMN_TILE, and its first query head (a head
+    step; 0 for all heads); tail: None (scalars[0] is then k_cols x S, and the kernel
+    takes it as a constant) or the key tile holding the last key in use, `[B, Hkv,
+    block_k, S, D]` in k's dtype, with every key past the count zero (read instead of
+    k's tile); scale = log2(e) / (sqrt(D) S norm). Returns float32 `plan.stats_shape`:
+    `[B, heads, key_tiles, stat_planes, rows_per_call]`, or with `plan.fold` the folded
+    statistics (`estimate_plan.folded_place`); entries of tiles no row of a row tile
+    sees (`estimate_plan.visible_tiles`) are not written."""
     out_type = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
                              keys_in_use=tail is not None)
