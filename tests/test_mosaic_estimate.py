@@ -528,8 +528,11 @@ def test_causal_launch_groups_keep_the_sms_busy(monkeypatch, q_len, kv_heads, gr
 
 def test_persistent_plan_and_refusals():
     """persistent: one CTA per SM (`device_sms`: HOPPER_SMS off a GPU), at most one per
-    work item, the items of a key tile in blocks of ROW_BLOCK_TILES row tiles; refused
-    with the resident queries, a cluster, key groups or pair_rows."""
+    work item (in a head step: the step's), the items of a key tile in blocks of
+    ROW_BLOCK_TILES row tiles; refused with the resident queries, a cluster, key groups
+    or pair_rows. By default only causal row steps of whole rows run on it (1M), not head
+    steps (256K), key groups (128K), non-causal calls, or a call given key_groups or
+    head_group."""
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, persistent=True)
     assert (plan.persistent_ctas, plan.ctas(True), plan.key_groups) == (132, 132, 1)
@@ -538,8 +541,21 @@ def test_persistent_plan_and_refusals():
     assert (int(items), int(tiles)) == (32 * 32 * 16, 16)
     assert int(estimate_plan.work_items(plan, 1000)[0]) == 32 * 32 * 4
     long = Geometry(1, 32, 32, 131072, 131072, 128, 8, 128)
-    stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, persistent=True)
-    assert (stepped.row_block_tiles, stepped.row_blocks) == (64, stepped.call_rows // 128 // 64)
+    heads = estimate_plan.estimate_plan(long, jnp.bfloat16, persistent=True)
+    assert (heads.call_heads, heads.persistent_ctas, heads.row_block_tiles,
+            heads.row_blocks) == (16, 132, 64, 2)
+    stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, persistent=True, call_rows=4096)
+    assert (stepped.row_block_tiles, stepped.row_blocks) == (32, 1)
+    million = Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128)
+    default = estimate_plan.estimate_plan(million, jnp.bfloat16, causal=True)
+    assert (default.persistent_ctas, default.call_rows, default.key_groups) == (132, 1024, 1)
+    for options in ({"persistent": False}, {"key_groups": 1}, {"head_group": 1}):
+        plan_given = estimate_plan.estimate_plan(million, jnp.bfloat16, causal=True, **options)
+        assert (plan_given.persistent_ctas, plan_given.call_rows) == (0, 1024), options
+    for length, causal in ((262144, True), (131072, True), (1 << 20, False)):
+        other = estimate_plan.estimate_plan(Geometry(1, 32, 32, length, length, 128, 8, 128),
+                                            jnp.bfloat16, causal=causal)
+        assert not other.persistent_ctas, (length, causal)
     tiny = Geometry(1, 2, 1, 256, 4096, 128, 8, 64)  # 2 heads x 1 row tile x 2 key tiles
     assert estimate_plan.estimate_plan(tiny, jnp.bfloat16, persistent=True).ctas(False) == 4
     assert not estimate_plan.estimate_plan(geom, jnp.bfloat16).persistent_ctas

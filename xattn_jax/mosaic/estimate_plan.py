@@ -49,9 +49,9 @@ or the caller's bound) and on which grid: one CTA per row tile, or per row tile 
 key group (`key_groups`, each a span of the key tiles: in causal calls, and where the
 row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent
 grid of one CTA per SM that walks work items of one row tile and one key tile each
-(`persistent_ctas`, `work_items`; off by default, PERSISTENT), and in which order the
-CTAs launch (`launch_group`: in causal calls of one key group, the row tiles of a few
-heads interleaved, longest first).
+(`persistent_ctas`, `work_items`; causal row steps of whole rows, `_default_persistent`),
+and in which order the CTAs launch (`launch_group`: in causal calls of one key group,
+the row tiles of a few heads interleaved, longest first).
 
 The statistics of a whole causal call are folded (`fold`; `folded_place`): row tile i of
 the R of a (batch, query head) and R - 1 - i share one place of `fold_slots` key-tile
@@ -190,13 +190,6 @@ HOPPER_SMS = 132
 # 16.133; 4096 causal queries over 64K keys, folded by force (2% saved: its places span
 # 63 slots for 32 key tiles), 0.5113 / 0.4651, its row sums' unfolding 55 us.
 FOLD_MIN_SAVING = 1 / 4
-# A persistent grid (`EstimatePlan.persistent_ctas`): one CTA per SM walking the call's
-# work items (a row tile and a key tile each). Off: on the H200 it ran as fast as one
-# CTA per row tile, within the rounds' spread (kernel alone, causal 32K 1.087 against
-# 1.150 ms, 64K 4.540 / 4.309, non-causal 64K 7.086 / 7.353, the chunk over 64K 0.449 /
-# 0.432; causal 1M 1046 / 1074 ms), and slower than key groups on half a chunk (0.238
-# / 0.219 ms at 64K; mosaic_estimate_h200.md, session 13)
-PERSISTENT = False
 # The launch order of a causal call's CTAs (`EstimatePlan.launch_group`). Mosaic GPU makes
 # the grid's last axis CUDA's x, the first launched. One (batch, head) pair's row tiles
 # at a time, longest first, starts the last pairs' long row tiles in the call's last
@@ -538,9 +531,8 @@ def row_tiles_seen(plan: EstimatePlan) -> tuple[int, ...]:
 def _row_tiles_seen(geom: Geometry, block_k: int, queries: str,
                     row_tiles: int) -> tuple[int, ...]:
     plan = EstimatePlan(geom, block_k, BLOCK_D, MIN_STAGES, queries=queries)
-    with jax.ensure_compile_time_eval():
-        seen = visible_tiles(plan, True, np.arange(row_tiles) * plan.rows)
-        return tuple(int(n) for n in np.asarray(seen))
+    seen = visible_tiles(plan, True, np.arange(row_tiles) * plan.rows)  # numpy
+    return tuple(int(n) for n in seen)
 
 
 @functools.lru_cache(maxsize=64)
@@ -634,15 +626,13 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
                 f"{geom.stride} x head_dim {geom.head_dim} per CTA) needs {smem} bytes of "
                 f"shared memory with a ring of {MIN_STAGES} slots, over {SMEM_BYTES}")
     bound = max_scratch_bytes or MAX_SCRATCH_BYTES
-    if (causal and _fold_saves(plan)
-            and dataclasses.replace(plan, fold=True).scratch_bytes <= bound):
-        return None  # one kernel call, its statistics folded
-    folded = dataclasses.replace(  # as `estimate_plan` makes the call's
+    call = dataclasses.replace(  # folded and in key groups as `estimate_plan` makes it
         plan, fold=causal and _fold_saves(plan),
         key_groups=_causal_key_groups(plan) if causal else 1)
-    if (_call_rows(plan, bound) is None
-            and _call_heads(folded, causal, bound, default_groups=True) is None):
-        return _steps_refused(folded, causal, bound)
+    # one kernel call (`_call_rows` 0) or row steps or head steps
+    if (_call_rows(call, bound) is None
+            and _call_heads(call, causal, bound, default_groups=True) is None):
+        return _steps_refused(call, causal, bound)
     return None
 
 
@@ -685,12 +675,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     layout (with a paged k, the largest multiple of 64 up to it that divides a page's
     columns), STAGGER with the streamed queries, PAIR_ROWS, the most stages that fit in
     shared memory, at most MAX_STAGES, `_call_heads` (else `_call_rows`),
-    `_causal_key_groups` or `_key_groups`, PERSISTENT where the rest allows it, the rule
-    of `EstimatePlan.launch_group`, and ORDERED_STATS with the streamed queries in
-    non-causal calls whose ring is shorter than a key tile's steps,
-    `default_trim_columns`, `default_step_loop`, and folded statistics in causal calls
-    of one kernel call and cluster 1 where they take less memory (`_fold_saves`; a call
-    whose folded statistics fit within the bound runs as one kernel call).
+    `_causal_key_groups` or `_key_groups`, `_default_persistent` (where no key_groups or
+    head_group is given), the rule of `EstimatePlan.launch_group`, and ORDERED_STATS
+    with the streamed queries in non-causal calls whose ring is shorter than a key
+    tile's steps, `default_trim_columns`, `default_step_loop`, and folded statistics in
+    causal calls of one kernel call and cluster 1 where they take less memory
+    (`_fold_saves`; a call whose folded statistics fit within the bound runs as one
+    kernel call).
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -772,15 +763,16 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         stages = deepest(False) if deepest_ring else stages
     grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
                   and not pair_rows)
-    if persistent is None:
-        persistent = PERSISTENT and grid_alone
+    # the default grid is known once the steps are (`_default_persistent`)
+    default_grid = persistent is None and key_groups is None and head_group is None
+    persistent = bool(persistent)
     if persistent and not grid_alone:
         raise ValueError(f"persistent needs queries='streamed', cluster 1, key_groups 1 and "
                          f"no pair_rows; got queries={queries!r}, cluster={cluster}, "
                          f"key_groups={key_groups}, pair_rows={pair_rows}")
     plan = EstimatePlan(geom, block_k, BLOCK_D, stages, cluster, leave_out, queries,
                         bool(stagger), bool(pair_rows), page_size=page_size,
-                        key_groups=key_groups or 1, persistent_ctas=int(bool(persistent)),
+                        key_groups=key_groups or 1, persistent_ctas=int(persistent),
                         head_group=head_group or 0, ordered_stats=bool(ordered_stats),
                         trim_columns=trim_columns, step_loop=step_loop)
     if key_groups is None and causal and cluster == 1 and not pair_rows and not persistent:
@@ -814,8 +806,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if call_rows is None:  # one call, else head steps, else row steps
         if plan.scratch_bytes > bound:
             call_heads = _call_heads(plan, causal, bound, key_groups is None)
-        call_rows = 0 if call_heads or plan.scratch_bytes <= bound else _call_rows(plan,
-                                                                                 bound)
+        call_rows = 0 if call_heads else _call_rows(plan, bound)
         if call_rows is None:
             raise ValueError(f"plan {plan}: {_steps_refused(plan, causal, bound)}")
     elif call_rows < 0 or call_rows % plan.row_quantum:
@@ -833,12 +824,37 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                          f"of a kernel call, and be 1 with a cluster or a persistent grid "
                          f"(their grids' own order); got {head_group} with cluster "
                          f"{cluster}, persistent {bool(persistent)}")
-    if persistent:
-        return dataclasses.replace(plan, persistent_ctas=min(
-            device_sms(), plan.step_ctas(plan.rows_per_call)))
+    if default_grid and _default_persistent(plan, causal):
+        plan = dataclasses.replace(plan, persistent_ctas=1)  # counted next
+    if plan.persistent_ctas:
+        return dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan))
     if key_groups is None and cluster == 1 and not pair_rows and not call_rows:
         return dataclasses.replace(plan, key_groups=_key_groups(plan))
     return plan
+
+
+def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
+    """Whether the default plan (`plan`: its steps, key groups and layout final) runs on a
+    persistent grid (one CTA per SM walking work items of a row tile and a key tile each,
+    its pipeline going on across them): a causal call in row steps whose CTAs walk whole
+    rows (one key group, streamed queries, cluster 1, unpaired), as a row step's last wave
+    of such CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs).
+
+    H200, block sums, medians of 3 rotating rounds, persistent / a CTA per row tile and
+    key group (session 25, mosaic_estimate_h200.md): causal 1M (row steps of 1024 rows)
+    982.6 / 1039.7 ms, every round. No faster anywhere else measured: in head steps of
+    whole rows, causal 256K (8 heads) 68.24 / 60.89, 512K (2 heads) 257.25 / 249.10; where
+    key groups run, causal 32K 1.153 / 1.007, 64K 4.954 / 3.807, GQA 32:8 64K 4.630 /
+    3.778, 128K 18.43 / 16.18; non-causal calls within the rounds' spread (64K block 128
+    7.271 / 7.231, the chunk over 64K 0.448 / 0.439, over 128K 0.871 / 0.853)."""
+    return (causal and plan.call_rows > 0 and plan.key_groups == 1
+            and plan.queries == "streamed" and plan.cluster == 1 and not plan.pair_rows)
+
+
+def _persistent_ctas(plan: EstimatePlan) -> int:
+    """The CTAs of `plan`'s persistent grid (`plan.persistent_ctas` > 0; a kernel call, or
+    a step of one): one per SM (`device_sms`), at most one per work item."""
+    return min(device_sms(), plan.step_ctas(plan.rows_per_call))
 
 
 def _causal_key_groups(plan: EstimatePlan) -> int:
@@ -962,6 +978,8 @@ def _head_step(plan: EstimatePlan, causal: bool, heads: int,
     """`plan` in head steps of `heads` query heads, with `default_groups` in a non-causal
     call's default key groups (`_key_groups`: they depend on the step's CTAs)."""
     step = dataclasses.replace(plan, call_heads=heads)
+    if step.persistent_ctas:
+        return dataclasses.replace(step, persistent_ctas=_persistent_ctas(step))
     if default_groups and not causal and step.cluster == 1 and not step.pair_rows:
         step = dataclasses.replace(step, key_groups=_key_groups(step))
     return step
@@ -1014,11 +1032,12 @@ def seen_columns(plan: EstimatePlan, causal: bool, row0, rows: int, cols=None):
     `visible_tiles` (a row tile's rows) and the kernel (a consumer's rows: the width of
     its masked tile, `EstimatePlan.masked_widths`)."""
     geom = plan.geom
-    row0 = jnp.asarray(row0, jnp.int32)
-    cols = jnp.asarray(geom.k_cols if cols is None else cols, jnp.int32)
+    cols = geom.k_cols if cols is None else cols
+    xp = _array_module(row0, cols)
+    row0, cols = xp.asarray(row0, xp.int32), xp.asarray(cols, xp.int32)
     if not causal:
-        return jnp.broadcast_to(cols, row0.shape)
-    return jnp.maximum(jnp.minimum(row0 + (rows + geom.row_offset), cols), 0)
+        return xp.broadcast_to(cols, row0.shape)
+    return xp.maximum(xp.minimum(row0 + (rows + geom.row_offset), cols), 0)
 
 
 def visible_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
@@ -1053,14 +1072,27 @@ def unmasked_tiles(plan: EstimatePlan, causal: bool, row0, cols=None):
     """Key tiles 0 .. n - 1 every row from `row0` on sees in full (they do if row0
     does): the kernel masks only the later ones. cols: as `visible_tiles`."""
     geom = plan.geom
-    row0 = jnp.asarray(row0, jnp.int32)
     cols = geom.k_cols if cols is None else cols
-    whole = _div(jnp.asarray(cols, jnp.int32), plan.block_k)
+    xp = _array_module(row0, cols)
+    row0 = xp.asarray(row0, xp.int32)
+    whole = _div(xp.asarray(cols, xp.int32), plan.block_k)
     if not causal:
-        return jnp.broadcast_to(whole, row0.shape)
-    return jnp.minimum(_div(row0 + (geom.row_offset + 1), plan.block_k), whole)
+        return xp.broadcast_to(whole, row0.shape)
+    return xp.minimum(_div(row0 + (geom.row_offset + 1), plan.block_k), whole)
+
+
+def _array_module(*values):
+    """numpy where every value is concrete host data (Python or numpy ints: a plan's
+    tables at trace time, `row_tiles_seen`, computed without compiling XLA ops for each
+    new shape: 0.24 s per causal geometry on the CPU), else jax.numpy (the kernel's and
+    the epilogue's traced values)."""
+    host = all(isinstance(v, (int, np.integer, np.ndarray)) for v in values)
+    return np if host else jnp
 
 
 def _div(x, divisor: int):
-    """x // divisor for x >= 0 (lax.div: jnp's floor division adds sign fix-ups)."""
+    """x // divisor for x >= 0 (traced: lax.div, as jnp's floor division adds sign
+    fix-ups)."""
+    if isinstance(x, (np.ndarray, np.integer)):
+        return x // np.int32(divisor)
     return jax.lax.div(x, jnp.int32(divisor))
