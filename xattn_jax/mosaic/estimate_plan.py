@@ -764,7 +764,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
                   and not pair_rows)
     # the default grid is known once the steps are (`_default_persistent`)
-    default_grid = persistent is None and key_groups is None and head_group is None
+    default_grid = (grid_alone and persistent is None and key_groups is None
+                    and head_group is None)
     persistent = bool(persistent)
     if persistent and not grid_alone:
         raise ValueError(f"persistent needs queries='streamed', cluster 1, key_groups 1 and "
@@ -834,11 +835,11 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
 
 
 def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
-    """Whether the default plan (`plan`: its steps, key groups and layout final) runs on a
-    persistent grid (one CTA per SM walking work items of a row tile and a key tile each,
-    its pipeline going on across them): a causal call in row steps whose CTAs walk whole
-    rows (one key group, streamed queries, cluster 1, unpaired), as a row step's last wave
-    of such CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs).
+    """Whether the default plan (`plan`: its steps and key groups final, a layout the
+    persistent grid takes) runs on a persistent grid (one CTA per SM walking work items of
+    a row tile and a key tile each, its pipeline going on across them): a causal call in
+    row steps whose CTAs walk whole rows (one key group), as a row step's last wave of
+    such CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs).
 
     H200, block sums, medians of 3 rotating rounds, persistent / a CTA per row tile and
     key group (session 25, mosaic_estimate_h200.md): causal 1M (row steps of 1024 rows)
@@ -847,8 +848,7 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     key groups run, causal 32K 1.153 / 1.007, 64K 4.954 / 3.807, GQA 32:8 64K 4.630 /
     3.778, 128K 18.43 / 16.18; non-causal calls within the rounds' spread (64K block 128
     7.271 / 7.231, the chunk over 64K 0.448 / 0.439, over 128K 0.871 / 0.853)."""
-    return (causal and plan.call_rows > 0 and plan.key_groups == 1
-            and plan.queries == "streamed" and plan.cluster == 1 and not plan.pair_rows)
+    return causal and plan.call_rows > 0 and plan.key_groups == 1
 
 
 def _persistent_ctas(plan: EstimatePlan) -> int:
