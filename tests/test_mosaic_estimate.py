@@ -403,7 +403,8 @@ def test_head_steps_take_the_calls_no_row_step_of_a_wave_fits():
     """Where no row step of a wave of row tiles fits the bound, a call runs in head steps
     of whole heads: the most heads whose statistics fit, their CTAs (key groups
     included) at least `auto_min_ctas`. Causal 128K (32 heads) within 64 MiB: one head
-    a step, folded (36.6 MiB), compacted in 4 key groups (320 CTAs). Non-causal 64K
+    a step, folded (36.6 MiB), on the listed persistent grid (132 CTAs; compacted in 4
+    key groups, 320 CTAs, where key_groups is given). Non-causal 64K
     block 64: one head (34 MiB), 2 key groups (128 CTAs). GQA 32:8 causal 32K within 16
     MiB: 6 heads fit (2.4 MiB each), but 8 steps of 4 compute no head twice (6 steps of
     6 would compute 36). Explicit call_heads (all rows; steps of 3 start inside a key
@@ -412,10 +413,14 @@ def test_head_steps_take_the_calls_no_row_step_of_a_wave_fits():
     bound = 64 << 20
     plan = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
                                        max_scratch_bytes=bound)
-    assert (plan.call_heads, plan.call_rows, plan.fold, plan.key_groups) == (1, 0, True, 4)
-    assert (plan.heads, plan.pairs, plan.ctas(True)) == (1, 1, 320)
+    assert (plan.call_heads, plan.call_rows, plan.fold, plan.key_groups) == (1, 0, True, 1)
+    assert (plan.heads, plan.pairs, plan.ctas(True)) == (1, 1, 132)
     assert plan.scratch_bytes == plan.stats_shape[2] * 18 * 8192 * 4 <= bound
-    assert plan.stats_shape[:2] == (1, 1) and plan.compacted(True)
+    assert plan.stats_shape[:2] == (1, 1) and plan.listed(True) and not plan.compacted(True)
+    grouped = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
+                                          max_scratch_bytes=bound, key_groups=4)
+    assert (grouped.call_heads, grouped.fold, grouped.ctas(True)) == (1, True, 320)
+    assert grouped.compacted(True) and not grouped.persistent_ctas
     wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 65536, 65536, 128, 8, 64),
                                        jnp.bfloat16, max_scratch_bytes=bound)
     assert (wide.call_heads, wide.key_groups, wide.ctas(False)) == (1, 2, 128)
@@ -530,9 +535,10 @@ def test_persistent_plan_and_refusals():
     """persistent: one CTA per SM (`device_sms`: HOPPER_SMS off a GPU), at most one per
     work item (in a head step: the step's), the items of a key tile in blocks of
     ROW_BLOCK_TILES row tiles; refused with the resident queries, a cluster, key groups
-    or pair_rows. By default only causal row steps of whole rows run on it (1M), not head
-    steps (256K), key groups (128K), non-causal calls, or a call given key_groups or
-    head_group."""
+    or pair_rows. By default causal calls in steps run on it: row steps of whole rows
+    (1M) and head steps (256K; its items listed) of at least PERSISTENT_MIN_ITEMS items
+    per SM, but not whole calls (128K: key groups), non-causal calls, or a call given
+    persistent=False, key_groups or head_group."""
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, persistent=True)
     assert (plan.persistent_ctas, plan.ctas(True), plan.key_groups) == (132, 132, 1)
@@ -552,10 +558,22 @@ def test_persistent_plan_and_refusals():
     for options in ({"persistent": False}, {"key_groups": 1}, {"head_group": 1}):
         plan_given = estimate_plan.estimate_plan(million, jnp.bfloat16, causal=True, **options)
         assert (plan_given.persistent_ctas, plan_given.call_rows) == (0, 1024), options
-    for length, causal in ((262144, True), (131072, True), (1 << 20, False)):
+    quarter = Geometry(1, 32, 32, 262144, 262144, 128, 8, 128)
+    head_steps = estimate_plan.estimate_plan(quarter, jnp.bfloat16, causal=True)
+    assert (head_steps.call_heads, head_steps.persistent_ctas, head_steps.key_groups,
+            head_steps.fold) == (8, 132, 1, True)
+    assert head_steps.listed(True) and not head_steps.listed(False)
+    assert not default.listed(True)  # row steps: their empty items depend on the row
+    for length, causal in ((131072, True), (1 << 20, False), (262144, False)):
         other = estimate_plan.estimate_plan(Geometry(1, 32, 32, length, length, 128, 8, 128),
                                             jnp.bfloat16, causal=causal)
         assert not other.persistent_ctas, (length, causal)
+    # 4 heads of causal 16K within 4 MiB: 288 listed items, under 4 per SM
+    small = estimate_plan.estimate_plan(Geometry(1, 32, 32, 16384, 16384, 128, 8, 128),
+                                        jnp.bfloat16, causal=True, max_scratch_bytes=4 << 20)
+    assert (small.call_heads, small.key_groups, small.persistent_ctas) == (4, 4, 0)
+    assert len(estimate_plan.listed_items(small)) * small.pairs == 288
+    assert 288 < estimate_plan.PERSISTENT_MIN_ITEMS * estimate_plan.HOPPER_SMS
     tiny = Geometry(1, 2, 1, 256, 4096, 128, 8, 64)  # 2 heads x 1 row tile x 2 key tiles
     assert estimate_plan.estimate_plan(tiny, jnp.bfloat16, persistent=True).ctas(False) == 4
     assert not estimate_plan.estimate_plan(geom, jnp.bfloat16).persistent_ctas
@@ -586,11 +604,11 @@ def test_key_groups_plan_and_refusals():
 
 def test_causal_calls_take_key_groups():
     """A causal call's default plan splits each row tile's key tiles among
-    CAUSAL_KEY_GROUPS CTAs (at most its key tiles), whole or in head steps, whose size
-    follows the statistics (unfolded, causal 128K takes the non-causal call's steps of 16
-    heads; folded, it is one call, and within 64 MiB steps of one head), up to 32 MiB of
-    keys a head (causal 1M's 256 MiB take none); the same call non-causal, explicit key
-    groups, pair_rows, clusters and the persistent grid keep theirs."""
+    CAUSAL_KEY_GROUPS CTAs (at most its key tiles) up to 32 MiB of keys a head (causal
+    1M's 256 MiB take none); they size its head steps, which then run on the persistent
+    grid (unfolded, causal 128K takes the non-causal call's steps of 16 heads; folded, it
+    is one call, and within 64 MiB steps of one head); the same call non-causal, explicit
+    key groups, pair_rows, clusters and the persistent grid keep theirs."""
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)  # 16 key tiles
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
     assert estimate_plan.CAUSAL_KEY_GROUPS == 4
@@ -608,10 +626,16 @@ def test_causal_calls_take_key_groups():
     stepped = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True, fold=False)
     alone = estimate_plan.estimate_plan(long, jnp.bfloat16)
     assert (whole.key_groups, whole.call_rows, whole.fold) == (4, 0, True)
-    assert (stepped.key_groups, stepped.call_heads) == (4, alone.call_heads) == (4, 16)
+    assert stepped.call_heads == alone.call_heads == 16
+    # head steps sized by their key-grouped CTAs, then run on the persistent grid
+    assert (stepped.key_groups, stepped.persistent_ctas) == (1, 132)
+    grouped = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True, fold=False,
+                                          persistent=False)
+    assert (grouped.key_groups, grouped.call_heads) == (4, 16)
     bounded = estimate_plan.estimate_plan(long, jnp.bfloat16, causal=True,
                                           max_scratch_bytes=64 << 20)  # head steps
-    assert (bounded.key_groups, bounded.call_heads, bounded.fold) == (4, 1, True)
+    assert (bounded.key_groups, bounded.call_heads, bounded.fold) == (1, 1, True)
+    assert bounded.persistent_ctas == 132
     assert stepped.head_key_bytes == estimate_plan.CAUSAL_KEY_GROUPS_MAX_BYTES == 32 << 20
     longest = Geometry(1, 32, 32, 1 << 20, 1 << 20, 128, 8, 128)
     assert estimate_plan.estimate_plan(longest, jnp.bfloat16, causal=True).key_groups == 1
@@ -647,6 +671,30 @@ def test_compacted_grid_holds_exactly_the_walking_ctas(q_len, k_len, stride, blo
                                           key_groups=groups, call_rows=plan.row_quantum)
     assert not stepped.compacted(True) and stepped.grid_rows(True) == (
         stepped.row_groups(True) * groups)
+
+
+@pytest.mark.parametrize("q_len, k_len, block_tiles", [
+    (4096, 4096, 64), (4096, 4096, 3), (2560, 8192, 4), (6000, 6000, 64)])
+def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
+                                                    block_tiles):
+    """A listed persistent grid (a causal call of whole rows) walks each (row tile, key
+    tile) its row tile sees exactly once, in `work_items` order: key tile by key tile
+    within blocks of ROW_BLOCK_TILES row tiles (the last block part empty where they do
+    not divide the row tiles), and nothing else."""
+    monkeypatch.setattr(estimate_plan, "ROW_BLOCK_TILES", block_tiles)
+    geom = Geometry(1, 4, 2, q_len, k_len, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, persistent=True)
+    assert plan.listed(True) and not plan.listed(False)
+    items = estimate_plan.listed_items(plan)
+    assert list(items) == sorted(set(items))
+    block, tiles = plan.row_block_tiles, plan.key_tiles
+    walked = sorted((i // (block * tiles) * block + i % block, i // block % tiles)
+                    for i in items)
+    seen = estimate_plan.row_tiles_seen(plan)
+    assert walked == [(r, t) for r in range(plan.call_row_tiles) for t in range(seen[r])]
+    assert len(items) == sum(seen)
+    if q_len == k_len:  # the tiles past each row tile's diagonal are left out
+        assert len(items) < plan.call_row_tiles * tiles
 
 
 @pytest.mark.parametrize("page_size, queries, block_k", [
@@ -1091,7 +1139,8 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
 # plan options, CTAs, ROW_BLOCK_TILES): the persistent grid with fewer CTAs than work
 # items (each CTA takes several, in turns); causal in blocks of 2 row tiles (3 row tiles:
 # the last block has an empty item per key tile); batch 2; keys in use of a paged cache;
-# row steps, one row tile per block; causal with folded statistics.
+# row steps, one row tile per block; causal with folded statistics; causal head steps of
+# 3 of 4 heads (GQA 2:1, the second step overlapping the first), folded and listed.
 PERSISTENT_CASES = [
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64}, 3, 2),
     (2, 2, 1, 190, 251, 64, 2, 16, False, None, None, {"block_k": 64}, 5, 64),
@@ -1099,6 +1148,8 @@ PERSISTENT_CASES = [
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_rows": 128}, 2, 1),
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None,
      {"block_k": 64, "causal": True, "fold": True}, 3, 2),
+    (1, 4, 2, 600, 664, 64, 2, 32, True, None, None,
+     {"block_k": 64, "causal": True, "call_heads": 3}, 5, 2),
 ]
 
 
@@ -1116,7 +1167,7 @@ def test_persistent_grid_in_gpu_interpret_mode(rand, monkeypatch, case):
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size,
                                        persistent=True, **options)
     items = int(estimate_plan.work_items(plan)[0])  # with the last block's empty ones
-    tiles = geom.batch * geom.q_heads * plan.call_row_tiles * plan.key_tiles
+    tiles = geom.batch * plan.heads * plan.call_row_tiles * plan.key_tiles
     assert plan.persistent_ctas == min(estimate_plan.HOPPER_SMS, tiles) > ctas
     assert items >= tiles
     plan = dataclasses.replace(plan, persistent_ctas=ctas)
@@ -1189,7 +1240,9 @@ GPU_CASES = [
 # paged cache in 3; causal in 3, spans of the long row tiles only), the persistent grid,
 # a bound holding only the whole call's folded statistics; head steps: by the bound (4
 # of 8 heads, non-causal), GQA 32:8 causal folded in steps of 6 heads (the last
-# overlapping), a paged cache with keys in use in steps of 3 heads.
+# overlapping), a paged cache with keys in use in steps of 3 heads, GQA 32:8 causal in
+# steps of 8 heads on the listed persistent grid (the default there: 576 items), and on
+# it in steps of 3 of 8 heads (the last overlapping, starting inside a key head's group).
 GPU_KEY_CASES = [
     (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
     (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
@@ -1212,6 +1265,9 @@ GPU_KEY_CASES = [
     (1, 8, 8, 16384, 16384, 128, 8, 128, False, None, None, {"max_scratch_bytes": 6 << 20}),
     (1, 32, 8, 8192, 8192, 128, 8, 128, True, None, None, {"call_heads": 6}),
     (2, 8, 2, 4096, 16384, 128, 8, 1024, False, 12345, 4096, {"call_heads": 3}),
+    (1, 32, 8, 16384, 16384, 128, 8, 128, True, None, None, {"max_scratch_bytes": 6 << 20}),
+    (1, 8, 2, 16384, 16384, 128, 8, 128, True, None, None,
+     {"call_heads": 3, "persistent": True}),
 ]
 
 

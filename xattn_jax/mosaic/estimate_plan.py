@@ -49,7 +49,9 @@ or the caller's bound) and on which grid: one CTA per row tile, or per row tile 
 key group (`key_groups`, each a span of the key tiles: in causal calls, and where the
 row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent
 grid of one CTA per SM that walks work items of one row tile and one key tile each
-(`persistent_ctas`, `work_items`; causal row steps of whole rows, `_default_persistent`),
+(`persistent_ctas`, `work_items`; in a causal call of whole rows only those its row
+tiles see, `listed_items`; causal head steps and row steps of whole rows,
+`_default_persistent`),
 and in which order the CTAs launch (`launch_group`: in causal calls of one key group,
 the row tiles of a few heads interleaved, longest first).
 
@@ -216,6 +218,10 @@ OPERAND_BYTES = 2  # q and k hold bfloat16 or float16 (SUPPORTED_DTYPES)
 # pass by a block's row tiles, whose queries (16 MiB at 128 rows x S 8 x D 128 in bf16)
 # stay in L2 meanwhile, as each key tile does while the CTAs share it
 ROW_BLOCK_TILES = 64
+# The fewest work items per SM for which a causal head step runs on the listed persistent
+# grid by default (`_default_persistent`): the smallest step measured, causal 32K within
+# 8 MiB (2 heads, 544 items on 132 SMs: 1.314 ms against 1.509 in key groups; session 26).
+PERSISTENT_MIN_ITEMS = 4
 # "auto" runs the Mosaic block sums on calls of at least this fraction of the SMs in CTAs
 # per kernel call (`auto_min_ctas`; `EstimatePlan.ctas`, key groups included): fewer
 # leave SMs idle, where the Triton kernel splits the keys among more programs. H200: 128
@@ -374,6 +380,15 @@ class EstimatePlan(UnitSums):
         causal 32K 1.070 / 1.029 ms, 64K 3.974 / 3.933, GQA 32:8 64K 3.964 / 3.917, 16K
         0.297 / 0.297."""
         return causal and self.key_groups > 1 and not self.call_rows
+
+    def listed(self, causal: bool) -> bool:
+        """Whether a persistent grid walks a list of its work items (`listed_items`)
+        instead of all of them: in a causal call of whole rows (one kernel call, or head
+        steps), where the items of key tiles past a row tile's diagonal are empty and the
+        list leaves them out, so that every CTA walks as many real items (one more at
+        most). A row step's empty items depend on its first row, a traced value: it
+        walks them all."""
+        return causal and bool(self.persistent_ctas) and not self.call_rows
 
     def ctas(self, causal: bool) -> int:
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
@@ -568,6 +583,27 @@ def work_items(plan: EstimatePlan, cols=None):
     row tile sees (causal), or of a row tile past the call's, are empty."""
     tiles = visible_tiles(plan, False, 0, cols)
     return tiles * (plan.pairs * plan.row_blocks * plan.row_block_tiles), tiles
+
+
+def listed_items(plan: EstimatePlan) -> tuple[int, ...]:
+    """The work items of one (batch, query head) pair that a listed persistent grid walks
+    (`EstimatePlan.listed`), in `work_items` order: the index within the pair's items
+    (item i of the call being pair x (items per pair) + index) of exactly the items
+    whose row tile sees their key tile (`row_tiles_seen`; every pair's are the same).
+    The kernel reads them from an int32 operand, item c + G j of the call for CTA c."""
+    return _listed_items(plan, plan.row_block_tiles)
+
+
+@functools.lru_cache(maxsize=64)
+def _listed_items(plan: EstimatePlan, block: int) -> tuple[int, ...]:
+    blocks, tiles = plan.row_blocks, plan.key_tiles
+    seen = np.zeros(blocks * block, np.int64)
+    seen[:plan.call_row_tiles] = row_tiles_seen(plan)
+    row_tile = (np.arange(blocks)[:, None, None] * block
+                + np.arange(block)[None, None, :])  # [blocks, 1, block]
+    tile = np.arange(tiles)[None, :, None]  # [1, tiles, 1]
+    index = np.flatnonzero(np.broadcast_to(tile < seen[row_tile], (blocks, tiles, block)))
+    return tuple(int(i) for i in index)
 
 
 def device_sms() -> int:
@@ -826,7 +862,10 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                          f"(their grids' own order); got {head_group} with cluster "
                          f"{cluster}, persistent {bool(persistent)}")
     if default_grid and _default_persistent(plan, causal):
-        plan = dataclasses.replace(plan, persistent_ctas=1)  # counted next
+        # one CTA per SM walking the work items, whatever the key groups were (counted next)
+        plan = dataclasses.replace(plan, persistent_ctas=1, key_groups=1)
+        if default_loop:
+            plan = dataclasses.replace(plan, step_loop=default_step_loop(plan, causal))
     if plan.persistent_ctas:
         return dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan))
     if key_groups is None and cluster == 1 and not pair_rows and not call_rows:
@@ -837,18 +876,29 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
 def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     """Whether the default plan (`plan`: its steps and key groups final, a layout the
     persistent grid takes) runs on a persistent grid (one CTA per SM walking work items of
-    a row tile and a key tile each, its pipeline going on across them): a causal call in
-    row steps whose CTAs walk whole rows (one key group), as a row step's last wave of
-    such CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs).
+    a row tile and a key tile each, its pipeline going on across them) instead: a causal
+    call in head steps (its items listed, `EstimatePlan.listed`: every CTA walks as many
+    real items, where a step of key-grouped CTAs ends in a part-empty wave), or in row
+    steps whose CTAs walk whole rows (one key group), as a row step's last wave of such
+    CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs).
 
     H200, block sums, medians of 3 rotating rounds, persistent / a CTA per row tile and
-    key group (session 25, mosaic_estimate_h200.md): causal 1M (row steps of 1024 rows)
-    982.6 / 1039.7 ms, every round. No faster anywhere else measured: in head steps of
-    whole rows, causal 256K (8 heads) 68.24 / 60.89, 512K (2 heads) 257.25 / 249.10; where
-    key groups run, causal 32K 1.153 / 1.007, 64K 4.954 / 3.807, GQA 32:8 64K 4.630 /
-    3.778, 128K 18.43 / 16.18; non-causal calls within the rounds' spread (64K block 128
-    7.271 / 7.231, the chunk over 64K 0.448 / 0.439, over 128K 0.871 / 0.853)."""
-    return causal and plan.call_rows > 0 and plan.key_groups == 1
+    key group (mosaic_estimate_h200.md). Head steps (session 26): causal 128K within 64
+    MiB (steps of 1 head) 15.61 / 16.86 ms (one call 15.86), 64K within 64 MiB (4 heads)
+    3.917 / 4.094 (one call 3.863), within 16 MiB (1 head) 4.247 / 5.411, 32K within 64
+    MiB (16 heads) 1.031 / 1.062 (one call 1.014), within 8 MiB (2 heads) 1.314 / 1.509;
+    at the default bound causal 256K (8 heads) 60.86 / 62.67, 512K (2 heads) 236.6 /
+    247.9. Row steps (session 25): causal 1M (1024 rows) 982.6 / 1039.7, every round.
+    Not where a whole causal call runs in key groups, even listed (session 26: causal 32K
+    0.996 / 1.000, 64K 4.073 / 3.760, GQA 32:8 64K 3.943 / 3.708, 128K 15.52 / 15.71), nor
+    in non-causal calls (session 25: within the rounds' spread). A head step of fewer
+    than PERSISTENT_MIN_ITEMS listed items per SM keeps its key groups (unmeasured)."""
+    if not causal:
+        return False
+    if plan.call_heads:
+        items = len(listed_items(plan)) * plan.pairs
+        return items >= PERSISTENT_MIN_ITEMS * device_sms()
+    return plan.call_rows > 0 and plan.key_groups == 1
 
 
 def _persistent_ctas(plan: EstimatePlan) -> int:
@@ -952,16 +1002,18 @@ def _call_heads(plan: EstimatePlan, causal: bool, bound: int,
     (`auto_min_ctas`). Of the step sizes that fit and fill, the one computing the fewest
     heads in all (ceil(Hq / n) steps of n heads, the last overlapping the one before),
     then the fewest steps. A head step holds every row of its heads, so a causal step
-    keeps the compacted grid and the folded statistics.
+    keeps the folded statistics and leaves out the tiles past the diagonals (the listed
+    persistent grid, or the compacted one).
 
     Head steps come before row steps (`_call_rows`). H200, block sums, medians of 3
-    rotating rounds (mosaic_estimate_h200.md, session 24): causal 128K, one call (1.1
-    GiB of statistics) / steps of 1 head (36.6 MiB) / 2 heads (73 MiB) / row steps of
-    640 rows (90 MiB) / the Triton kernel within 64 MiB: 16.116 / 16.752 / 16.400 /
-    18.701 / 19.625 ms; causal 64K, one call / steps of 4 heads / 6 heads (36 computed)
-    / row steps of 640 rows / Triton within 64 MiB: 3.915 / 4.069 / 4.460 / 4.854 /
-    4.984; non-causal 64K block 64, one call / steps of 1 head / Triton within 64 MiB:
-    7.637 / 7.820 / 8.748. At the default bound, causal 256K in steps of 8 heads / row
+    rotating rounds (mosaic_estimate_h200.md, session 24, the causal steps in key groups;
+    since session 26 they run on the persistent grid, `_default_persistent`): causal
+    128K, one call (1.1 GiB of statistics) / steps of 1 head (36.6 MiB) / 2 heads (73
+    MiB) / row steps of 640 rows (90 MiB) / the Triton kernel within 64 MiB: 16.116 /
+    16.752 / 16.400 / 18.701 / 19.625 ms; causal 64K, one call / steps of 4 heads / 6
+    heads (36 computed) / row steps of 640 rows / Triton within 64 MiB: 3.915 / 4.069 /
+    4.460 / 4.854 / 4.984; non-causal 64K block 64, one call / steps of 1 head / Triton
+    within 64 MiB: 7.637 / 7.820 / 8.748. At the default bound, causal 256K in steps of 8 heads / row
     steps of 4736 rows: 62.620 / 70.037."""
     most = min(bound // dataclasses.replace(plan, call_heads=1).scratch_bytes,
                plan.geom.q_heads)

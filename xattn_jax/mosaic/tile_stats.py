@@ -115,8 +115,12 @@ past a row tile's diagonal.
 Persistent grid (`plan.persistent_ctas` = G, streamed queries, unpaired, one key
 group): G CTAs, CTA c walking work items c, c + G, ... of `estimate_plan.work_items`,
 each the (batch, head, row tile, key tile) its index names, or nothing where no row of
-the row tile sees the key tile. As with paired row tiles, the CTA's step count goes on
-across its items, and consumer 1 waits for its lead at the CTA's first walked tile.
+the row tile sees the key tile. In a causal call of whole rows (`EstimatePlan.listed`)
+the CTAs walk only the items whose row tile sees their key tile, read from the items
+operand (`estimate_plan.listed_items`, one pair's, the same for every pair), so that
+each CTA walks as many (one more at most). As with paired row tiles, the CTA's step
+count goes on across its items, and consumer 1 waits for its lead at the CTA's first
+walked tile.
 """
 
 from __future__ import annotations
@@ -131,8 +135,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan, paired_row_tiles, seen_columns,
-                                            folded_place, tail_tile, unmasked_tiles,
-                                            visible_tiles, walked_cells, work_items)
+                                            folded_place, listed_items, tail_tile,
+                                            unmasked_tiles, visible_tiles, walked_cells,
+                                            work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
@@ -178,18 +183,19 @@ def _batch_and_head(plan: EstimatePlan, causal: bool):
     return lax.div(pair, heads), lax.rem(pair, heads)
 
 
-def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref):
+def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref, items_ref):
     """The work of this CTA, in order: a function each(walk) that runs walk(batch, head,
     row0, lo, n, walked) for each of its units (a row tile of (batch, head) starting at
     reshaped query row row0 of this call, whose key tiles lo .. lo + n - 1 the CTA walks;
     walked = the key tiles walked for the units before) and returns the key tiles
     walked in all. `first_row`: the call's first row; `cols`: the key columns in use;
     `cells_ref`: with a compacted grid (`EstimatePlan.compacted`), the int32 cells of
-    `estimate_plan.walked_cells`, else None.
+    `estimate_plan.walked_cells`, else None; `items_ref`: with a listed persistent grid
+    (`EstimatePlan.listed`), the int32 items of `estimate_plan.listed_items`, else None.
 
-    - Persistent (`plan.persistent_ctas` = G): the call's work items (`work_items`) c,
-      c + G, c + 2G, ... for CTA c, each one key tile (n = 1) or none (n = 0: a tile no
-      row of the row tile sees, or a row tile past the call's).
+    - Persistent (`plan.persistent_ctas` = G): the call's work items (`work_items`; or
+      those listed) c, c + G, c + 2G, ... for CTA c, each one key tile (n = 1) or none
+      (n = 0: a tile no row of the row tile sees, or a row tile past the call's).
     - Else one unit per row tile on the grid (`_grid`: (batch, head) pairs and row
       groups), or two with paired row tiles (`estimate_plan.paired_row_tiles`).
       Unpaired, the clusters run long row tiles first, and the CTAs of a cluster walk
@@ -197,7 +203,7 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref):
       row tile walk consecutive spans of `plan.key_span` of them (compacted: those of
       the spans holding a visible tile, a cell each)."""
     if plan.persistent_ctas:
-        return functools.partial(_walk_items, plan, causal, first_row, cols)
+        return functools.partial(_walk_items, plan, causal, first_row, cols, items_ref)
     batch, head = _batch_and_head(plan, causal)
     index = lax.axis_index(ROW_AXIS)
     if plan.paired(causal):  # one kernel call, one key group: first_row = 0
@@ -232,15 +238,24 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref):
     return single
 
 
-def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, walk):
-    """The persistent CTA's units (`_cta_work`): work item i = c + G j, j = 0, 1, ...,
-    of `work_items`, as (batch, head, row0, tile, 0 or 1, walked)."""
+def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, items_ref, walk):
+    """The persistent CTA's units (`_cta_work`): work item c + G j, j = 0, 1, ..., of
+    `work_items`, or with `items_ref` (`EstimatePlan.listed`) of the call's listed items
+    (each pair's `listed_items` in turn), as (batch, head, row0, tile, 0 or 1,
+    walked)."""
     cta = lax.axis_index(PERSISTENT_AXIS)
     ctas, block = plan.persistent_ctas, plan.row_block_tiles
     items, tiles = work_items(plan, cols)
+    if items_ref is not None:  # the listed items of each pair, at the pair's items
+        per_pair = len(listed_items(plan))
+        pair_items = tiles * (plan.row_blocks * block)
+        items = plan.pairs * per_pair
 
     def one(j, walked):
         i = cta + j * ctas
+        if items_ref is not None:
+            pair = lax.div(i, jnp.int32(per_pair))
+            i = pair * pair_items + items_ref[lax.rem(i, jnp.int32(per_pair))]
         row_in_block, i = lax.rem(i, jnp.int32(block)), lax.div(i, jnp.int32(block))
         tile, i = lax.rem(i, tiles), lax.div(i, tiles)
         row_block, i = lax.rem(i, jnp.int32(plan.row_blocks)), lax.div(
@@ -288,7 +303,8 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     """Refs: q [B, Hq, padded_rows, S, D], k [B, Hkv, padded_cols, S, D] (or a paged
     cache viewed as [num_pages, page_size / S, S, Hkv, D], then the block table int32
     [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], with
-    a compacted grid its cells int32 [grid_rows] (`estimate_plan.walked_cells`), the
+    a compacted grid its cells int32 [grid_rows] (`estimate_plan.walked_cells`), with
+    a listed persistent grid its items int32 [n] (`estimate_plan.listed_items`), the
     scalars int32 [3] (the keys in use, whole stride groups; the call's first reshaped
     query row / COLUMN_TILE; its first query head), stats float32 `plan.stats_shape`;
     scratch as `_scratch_types` makes it (q_ready None with the streamed queries, lead
@@ -300,6 +316,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     table_ref = refs.pop(0) if plan.page_size else None
     tail_ref = refs.pop(0) if keys_in_use else None
     cells_ref = refs.pop(0) if plan.compacted(causal) else None
+    items_ref = refs.pop(0) if plan.listed(causal) else None
     (scalars_ref, stats_ref, q_smem, k_smem, stats_smem, q_ready, ready, free,
      lead, turn) = refs
     geom = plan.geom
@@ -317,7 +334,7 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
         # queries' row index to be one (block_rows is: `unsupported_reason`)
         first_row = scalars_ref[1] * COLUMN_TILE
     first_head = scalars_ref[2] if plan.call_heads else 0
-    each_unit = _cta_work(plan, causal, first_row, cols, cells_ref)
+    each_unit = _cta_work(plan, causal, first_row, cols, cells_ref, items_ref)
     multicast = CLUSTER_AXIS if plan.cluster > 1 else None
     multiply = plan.leave_out != "product"
 
@@ -606,8 +623,10 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
                              keys_in_use=tail is not None)
     cells = ((jnp.asarray(walked_cells(plan), jnp.int32),) if plan.compacted(causal)
              else ())
+    listed = ((jnp.asarray(listed_items(plan), jnp.int32),) if plan.listed(causal)
+              else ())
     operands = ((q, k) + ((table,) if plan.page_size else ())
-                + ((tail,) if tail is not None else ()) + cells + (scalars,))
+                + ((tail,) if tail is not None else ()) + cells + listed + (scalars,))
     grid = _grid(plan, causal)
     return plgpu.kernel(
         body,
