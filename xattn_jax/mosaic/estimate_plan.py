@@ -602,8 +602,8 @@ def _listed_items(plan: EstimatePlan, block: int) -> tuple[int, ...]:
     row_tile = (np.arange(blocks)[:, None, None] * block
                 + np.arange(block)[None, None, :])  # [blocks, 1, block]
     tile = np.arange(tiles)[None, :, None]  # [1, tiles, 1]
-    index = np.flatnonzero(np.broadcast_to(tile < seen[row_tile], (blocks, tiles, block)))
-    return tuple(int(i) for i in index)
+    visible = tile < seen[row_tile]  # [blocks, tiles, block]
+    return tuple(int(i) for i in np.flatnonzero(visible))
 
 
 def device_sms() -> int:
@@ -1013,8 +1013,8 @@ def _call_heads(plan: EstimatePlan, causal: bool, bound: int,
     16.752 / 16.400 / 18.701 / 19.625 ms; causal 64K, one call / steps of 4 heads / 6
     heads (36 computed) / row steps of 640 rows / Triton within 64 MiB: 3.915 / 4.069 /
     4.460 / 4.854 / 4.984; non-causal 64K block 64, one call / steps of 1 head / Triton
-    within 64 MiB: 7.637 / 7.820 / 8.748. At the default bound, causal 256K in steps of 8 heads / row
-    steps of 4736 rows: 62.620 / 70.037."""
+    within 64 MiB: 7.637 / 7.820 / 8.748. At the default bound, causal 256K in steps of
+    8 heads / row steps of 4736 rows: 62.620 / 70.037."""
     most = min(bound // dataclasses.replace(plan, call_heads=1).scratch_bytes,
                plan.geom.q_heads)
     heads = [n for n in range(1, most + 1)
