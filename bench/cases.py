@@ -79,6 +79,7 @@ ESTIMATE = {  # bench.estimate: xattn_estimate, Lq = Lk
     "causal-32k": _h200("causal-32k", 32, 32768, 32768, 128, True),
     "causal-64k": _h200("causal-64k", 32, 65536, 65536, 128, True),
     "causal-128k": _h200("causal-128k", 32, 131072, 131072, 128, True),
+    "noncausal-128k": _h200("noncausal-128k", 32, 131072, 131072, 128, False),
     "causal-1m": _h200("causal-1m", 32, 1 << 20, 1 << 20, 128, True),
     GQA_CASE: _h200(GQA_CASE, 8, 65536, 65536, 128, True),
     **{f"noncausal-{n}-b{b}": _h200(f"noncausal-{n}-b{b}", 32, length, length, b, False)

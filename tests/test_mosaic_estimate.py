@@ -54,9 +54,9 @@ def _geom(batch, q_heads, kv_heads, q_len, k_len, head_dim, stride, block_size, 
     (Geometry(1, 4, 2, 1024, 1024, 128, 16, 128), jnp.bfloat16, {"queries": "resident"},
      "shared memory"),
     (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16,
-     {"queries": "resident", "max_scratch_bytes": 8 << 20}, "one row step"),
+     {"queries": "resident", "max_scratch_bytes": 4 << 20}, "one row step"),
     (Geometry(1, 32, 8, 131072, 131072, 128, 8, 128), jnp.bfloat16,
-     {"max_scratch_bytes": 8 << 20}, "one row step"),
+     {"max_scratch_bytes": 4 << 20}, "one row step"),
 ])
 def test_plan_refuses_unsupported_calls(geom, dtype, options, rule):
     reason = estimate_plan.unsupported_reason(geom, dtype, **options)
@@ -347,8 +347,10 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
     steps instead. 1M: 4.5 GiB a head; steps of 1024 rows (256 CTAs: 2 waves, 128 steps)
     take fewer waves than 1280 (320 CTAs: 3 waves, 103 steps); 512 (128 CTAs) would
     leave SMs idle. Within 3 GiB, 2048 rows (512 CTAs, 4 waves, 64 steps) tie with 1024
-    and are taken (the larger). A bound holding neither a row step of a wave nor a head
-    step is refused."""
+    and are taken (the larger). Within 600 MiB (533 rows of every head: 133 CTAs at 512
+    rows, short of the wave 640 rows give) it runs row steps of one head instead
+    (`test_row_steps_of_one_head_take_the_calls_no_other_step_fits`); a bound holding
+    none of the three steps is refused."""
     long = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
     whole = estimate_plan.estimate_plan(Geometry(1, 32, 8, 65536, 65536, 128, 8, 128),
                                         jnp.bfloat16)
@@ -363,13 +365,17 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
     assert dataclasses.replace(plan, call_rows=0, call_heads=1).scratch_bytes == 9 << 29
     large = estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=3 << 30)
     assert (large.call_rows, large.scratch_bytes) == (2048, 2048 * 1179648)
-    # 600 MiB hold 533 rows: 133 CTAs at 512 rows, short of the wave 640 rows give
+    steps = estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=600 << 20)
+    assert (steps.call_heads, steps.call_rows) == (1, 16384)
+    # 8 MiB: 227 rows of one head, one row tile (512 work items, of the 528 of 4 per SM)
     rule = ("one row step of a wave of row tiles \\(640 rows of every head\\), or "
-            "4831838208 bytes for a head step")
+            "4831838208 bytes for a head step of one head's rows \\(1024 CTAs, of the 99 a "
+            "step needs\\), or 9437184 bytes for a row step of one head \\(256 rows, "
+            "132 CTAs\\)")
     assert re.search(rule, estimate_plan.unsupported_reason(million, jnp.bfloat16,
-                                                            max_scratch_bytes=600 << 20))
+                                                            max_scratch_bytes=8 << 20))
     with pytest.raises(ValueError, match="a wave of row tiles"):
-        estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=600 << 20)
+        estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=8 << 20)
     # blocks of 4096 tokens (512 rows): steps of whole query blocks, a wave at least
     wide = estimate_plan.estimate_plan(Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 4096),
                                        jnp.bfloat16, max_scratch_bytes=256 << 20)
@@ -385,17 +391,17 @@ def test_row_steps_bound_the_statistics_and_fill_the_waves():
 def test_row_steps_and_auto_follow_the_device_sms(monkeypatch):
     """On a Hopper of fewer SMs (an H100 PCIe: 114) a wave is 114 CTAs: non-causal 1M
     within 600 MiB of statistics (533 rows of every head; one head's are 4.5 GiB) runs
-    row steps of 512 rows (128 CTAs), which 132 SMs refuse (a wave needs 640); and "auto"
-    takes calls from 85 CTAs."""
+    row steps of 512 rows of every head (128 CTAs), where 132 SMs need 640 and take row
+    steps of one head instead; and "auto" takes calls from 85 CTAs."""
     million = Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 128)
     bound = 600 << 20
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 132)  # an H200
-    assert "a wave of row tiles" in estimate_plan.unsupported_reason(
-        million, jnp.bfloat16, max_scratch_bytes=bound)
+    plan = estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=bound)
+    assert (plan.call_heads, plan.call_rows) == (1, 16384)
     assert estimate_plan.auto_min_ctas() == 99
     monkeypatch.setattr(estimate_plan, "device_sms", lambda: 114)
     plan = estimate_plan.estimate_plan(million, jnp.bfloat16, max_scratch_bytes=bound)
-    assert plan.call_rows == 512 and plan.scratch_bytes <= bound
+    assert (plan.call_heads, plan.call_rows) == (0, 512) and plan.scratch_bytes <= bound
     assert estimate_plan.auto_min_ctas() == 85
 
 
@@ -430,25 +436,66 @@ def test_head_steps_take_the_calls_no_row_step_of_a_wave_fits():
     assert (gqa.call_heads, gqa.fold) == (4, True) and gqa.scratch_bytes <= 16 << 20
     assert estimate_plan.unsupported_reason(causal_128k, jnp.bfloat16, causal=True,
                                             max_scratch_bytes=bound) is None
-    # a head's folded statistics over the bound: refused, both counts in the reason
+    # a head's folded statistics over the bound, and 1152 rows of one (132 CTAs walking
+    # 4 work items each): refused, the three counts in the reason
     reason = estimate_plan.unsupported_reason(causal_128k, jnp.bfloat16, causal=True,
-                                              max_scratch_bytes=32 << 20)
+                                              max_scratch_bytes=4 << 20)
     assert re.search(r"\(640 rows of every head\), or 38338560 bytes for a head step of "
-                     r"one head's rows \(320 CTAs, of the 99 a step needs\)", reason)
+                     r"one head's rows \(320 CTAs, of the 99 a step needs\), or 5308416 "
+                     r"bytes for a row step of one head \(1152 rows, 132 CTAs\)", reason)
     with pytest.raises(ValueError, match="or 38338560 bytes for a head step"):
         estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
-                                    max_scratch_bytes=32 << 20)
+                                    max_scratch_bytes=4 << 20)
     # fewer CTAs than "auto" runs on Mosaic: 16K non-causal, 2 heads of 32 row tiles
     few = Geometry(1, 2, 2, 16384, 16384, 128, 8, 128)
-    assert "(64 CTAs, of the 99" in estimate_plan.unsupported_reason(
-        few, jnp.bfloat16, max_scratch_bytes=1 << 20)
+    assert ("(64 CTAs, of the 99 a step needs), or no row step of one head has the work"
+            in estimate_plan.unsupported_reason(few, jnp.bfloat16, max_scratch_bytes=1 << 20))
     explicit = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
                                            call_heads=3)
     assert (explicit.call_heads, explicit.call_rows, explicit.fold) == (3, 0, True)
-    for options in ({"call_heads": 33}, {"call_heads": -1},
-                    {"call_heads": 2, "call_rows": 128}):
+    for options in ({"call_heads": 33}, {"call_heads": -1}):
         with pytest.raises(ValueError, match="call_heads must be in \\[0, 32\\]"):
             estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True, **options)
+
+
+def test_row_steps_of_one_head_take_the_calls_no_other_step_fits():
+    """Where neither a head step nor a row step of a wave of every head fits the bound, a
+    call runs in row steps of one head (`_head_rows`) on the persistent grid: each step's
+    statistics within the bound, at least 4 work items per SM, the fewest steps a head,
+    then the fewest items on the busiest SM, then the fewest rows computed. Non-causal
+    128K (72 MiB a head) within 64 MiB: block 128, 2 steps of 8192 rows (4096 items, 36
+    MiB); block 64 (136 MiB a head), 3 steps of 5504 rows (43 row tiles x 64 key tiles:
+    21 items on the busiest SM, where 5632 rows give 22). A step where
+    key_groups are given keeps them (128 CTAs at 2). Causal 128K within 32 MiB (one
+    head folded: 36.6 MiB): steps of 5504 rows, unfolded and unlisted. Explicit
+    call_heads with call_rows, and the refusal of call_rows not a multiple of the row
+    quantum."""
+    bound = 64 << 20
+    for block, rows in ((128, 8192), (64, 5504)):
+        geom = Geometry(1, 32, 8, 131072, 131072, 128, 8, block)
+        assert estimate_plan.unsupported_reason(geom, jnp.bfloat16,
+                                                max_scratch_bytes=bound) is None
+        plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, max_scratch_bytes=bound)
+        assert (plan.call_heads, plan.call_rows, plan.key_groups) == (1, rows, 1)
+        assert plan.persistent_ctas == 132 and not plan.listed(False)
+        assert plan.scratch_bytes <= bound
+        assert plan.stats_shape == (1, 1, 64, plan.stat_planes, rows)
+    grouped = estimate_plan.estimate_plan(geom, jnp.bfloat16, max_scratch_bytes=bound,
+                                          key_groups=2)
+    assert (grouped.call_heads, grouped.key_groups, grouped.persistent_ctas) == (1, 2, 0)
+    assert grouped.ctas(False) == grouped.call_rows // 128 * 2 >= 99
+    causal_128k = Geometry(1, 32, 8, 131072, 131072, 128, 8, 128)
+    causal = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
+                                         max_scratch_bytes=32 << 20)
+    assert (causal.call_heads, causal.call_rows, causal.fold) == (1, 5504, False)
+    assert (causal.key_groups, causal.persistent_ctas) == (1, 132)
+    assert not causal.listed(True) and causal.scratch_bytes <= 32 << 20
+    both = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
+                                       call_heads=2, call_rows=1024)
+    assert (both.call_heads, both.call_rows, both.fold) == (2, 1024, False)
+    assert both.stats_shape[1] == 2 and both.stats_shape[-1] == 1024
+    with pytest.raises(ValueError, match="call_rows must be 0 or a positive multiple of 128"):
+        estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, call_heads=2, call_rows=200)
 
 
 @pytest.mark.parametrize("q_heads, q_len, k_len, groups", [
@@ -1098,7 +1145,9 @@ def _interpreted_equals_reference(q, k, geom, plan, *, causal, key_len, page_siz
 # non-causal, and of a cluster of 2 resident row tiles; key groups (3 spans of 2 of 5
 # tiles) over the paged cache, and in row steps; head steps: of 3 of 4 heads (GQA 2:1,
 # the second step overlapping the first and starting inside a key head's group) causal
-# and folded, of 1 head over the paged cache with keys in use, of 2 of 3 heads in batch 2.
+# and folded, of 1 head over the paged cache with keys in use, of 2 of 3 heads in batch 2;
+# row steps of 128 rows of 3 of 4 heads (both kinds of steps overlapping) in 2 key groups,
+# and of one head causal.
 INTERPRET_KEY_CASES = [
     (2, 2, 1, 190, 512, 64, 2, 32, False, 301, None, {"block_k": 64}),
     (1, 2, 1, 128, 512, 64, 2, 32, False, 256, None, {"block_k": 64}),
@@ -1114,6 +1163,10 @@ INTERPRET_KEY_CASES = [
     (1, 4, 2, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_heads": 3}),
     (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {"call_heads": 1}),
     (2, 3, 3, 190, 512, 64, 2, 32, False, None, None, {"block_k": 64, "call_heads": 2}),
+    (1, 4, 2, 600, 700, 64, 2, 32, False, None, None,
+     {"block_k": 64, "call_heads": 3, "call_rows": 128, "key_groups": 2}),
+    (1, 4, 2, 600, 664, 64, 2, 32, True, None, None,
+     {"block_k": 64, "call_heads": 1, "call_rows": 128}),
 ]
 
 
@@ -1140,7 +1193,8 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
 # items (each CTA takes several, in turns); causal in blocks of 2 row tiles (3 row tiles:
 # the last block has an empty item per key tile); batch 2; keys in use of a paged cache;
 # row steps, one row tile per block; causal with folded statistics; causal head steps of
-# 3 of 4 heads (GQA 2:1, the second step overlapping the first), folded and listed.
+# 3 of 4 heads (GQA 2:1, the second step overlapping the first), folded and listed, and
+# in row steps of 128 rows (unlisted: their empty items walked), causal and not.
 PERSISTENT_CASES = [
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64}, 3, 2),
     (2, 2, 1, 190, 251, 64, 2, 16, False, None, None, {"block_k": 64}, 5, 64),
@@ -1150,6 +1204,10 @@ PERSISTENT_CASES = [
      {"block_k": 64, "causal": True, "fold": True}, 3, 2),
     (1, 4, 2, 600, 664, 64, 2, 32, True, None, None,
      {"block_k": 64, "causal": True, "call_heads": 3}, 5, 2),
+    (1, 4, 2, 600, 664, 64, 2, 32, True, None, None,
+     {"block_k": 64, "causal": True, "call_heads": 3, "call_rows": 128}, 4, 2),
+    (1, 4, 2, 600, 700, 64, 2, 32, False, None, None,
+     {"block_k": 64, "call_heads": 3, "call_rows": 128}, 4, 2),
 ]
 
 
@@ -1242,7 +1300,10 @@ GPU_CASES = [
 # of 8 heads, non-causal), GQA 32:8 causal folded in steps of 6 heads (the last
 # overlapping), a paged cache with keys in use in steps of 3 heads, GQA 32:8 causal in
 # steps of 8 heads on the listed persistent grid (the default there: 576 items), and on
-# it in steps of 3 of 8 heads (the last overlapping, starting inside a key head's group).
+# it in steps of 3 of 8 heads (the last overlapping, starting inside a key head's group);
+# row steps of one head by the bound on the persistent grid (non-causal: 2 steps of 2176
+# rows a head, the last overlapping; causal: 4 steps of 2176 rows), and of 3 of 4 heads
+# over a paged cache with keys in use, batch 2.
 GPU_KEY_CASES = [
     (1, 32, 8, 4096, 16384, 128, 8, 1024, False, 12345, None, {}),
     (2, 32, 8, 4096, 16384, 128, 8, 1024, False, 9001, 4096, {}),
@@ -1268,6 +1329,10 @@ GPU_KEY_CASES = [
     (1, 32, 8, 16384, 16384, 128, 8, 128, True, None, None, {"max_scratch_bytes": 6 << 20}),
     (1, 8, 2, 16384, 16384, 128, 8, 128, True, None, None,
      {"call_heads": 3, "persistent": True}),
+    (1, 4, 2, 32768, 65536, 128, 8, 128, False, None, None, {"max_scratch_bytes": 6 << 20}),
+    (1, 2, 1, 65536, 65536, 128, 8, 128, True, None, None, {"max_scratch_bytes": 6 << 20}),
+    (2, 4, 2, 4096, 32768, 128, 8, 1024, False, 30001, 4096,
+     {"call_heads": 3, "call_rows": 256}),
 ]
 
 

@@ -11,8 +11,9 @@ in place with the same weights (`_folded_block_sums`). With a count of keys in u
 kernel reads the key tile holding the last key from a copy in which every later token is
 zero (`_tail_tile`), so that a count ending inside a stride group needs nothing outside
 the kernel (section 1: the partly filled group reads zeros); a call whose statistics
-exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`) or
-in head steps over all rows (`EstimatePlan.call_heads`; `row_statistics.in_steps`).
+exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`), in
+head steps over all rows (`EstimatePlan.call_heads`), or in row steps of one head (both;
+`row_statistics.in_steps`).
 """
 
 from __future__ import annotations

@@ -264,8 +264,9 @@ class EstimatePlan(UnitSums):
     fold (causal calls of one kernel call, cluster 1): the statistics folded
     (`folded_place`: `[B, H, fold_slots, stat_planes, fold_places x rows]`), else `[B, H,
     key_tiles, stat_planes, rows_per_call]` (H = `heads`); call_heads: the query heads
-    one kernel call covers, 0 for all, else the call runs in head steps of whole heads'
-    rows (call_rows 0; `_call_heads` sizes them).
+    one kernel call covers, 0 for all, else the call runs in head steps: of whole heads'
+    rows with call_rows 0 (`_call_heads` sizes them), or of call_rows rows of each head
+    (`_head_rows` sizes them, one head a step, where no other step fits).
     """
 
     geom: Geometry
@@ -634,10 +635,11 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     besides, which S 16 at D 128 exceeds), and within `max_scratch_bytes` (default
     MAX_SCRATCH_BYTES) the statistics of one row step of every head holding a wave of
     row tiles (`_call_rows`), or of a head step of whole heads in at least
-    `auto_min_ctas` CTAs (`_call_heads`), or, in a causal call, the whole call's folded
-    statistics where the default plan folds them (`_fold_saves`). Any Lq and Lk
-    otherwise (padded to whole tiles by the caller). The Triton backend takes everything
-    else.
+    `auto_min_ctas` CTAs (`_call_heads`), or of a row step of one head holding
+    PERSISTENT_MIN_ITEMS work items per SM (`_head_rows`), or, in a causal call, the
+    whole call's folded statistics where the default plan folds them (`_fold_saves`).
+    Any Lq and Lk otherwise (padded to whole tiles by the caller). The Triton backend
+    takes everything else.
     """
     _check_queries(queries)
     dtype = jnp.dtype(dtype)
@@ -665,9 +667,11 @@ def unsupported_reason(geom: Geometry, dtype, *, key_len: bool = False,
     call = dataclasses.replace(  # folded and in key groups as `estimate_plan` makes it
         plan, fold=causal and _fold_saves(plan),
         key_groups=_causal_key_groups(plan) if causal else 1)
-    # one kernel call (`_call_rows` 0) or row steps or head steps
+    # one kernel call (`_call_rows` 0) or row steps or head steps or row steps of a head
     if (_call_rows(call, bound) is None
-            and _call_heads(call, causal, bound, default_groups=True) is None):
+            and _call_heads(call, causal, bound, default_groups=True) is None
+            and _head_rows(call, causal, bound, default_groups=True,
+                           default_grid=_grid_alone(call)) is None):
         return _steps_refused(call, causal, bound)
     return None
 
@@ -690,8 +694,9 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
     call may hold (default MAX_SCRATCH_BYTES): a call holding more runs in head steps
-    (`_call_heads`) or, where one head's statistics exceed it, in row steps
-    (`_call_rows`).
+    (`_call_heads`) or, where one head's statistics exceed it, in row steps of every head
+    (`_call_rows`) or, where no such step of a wave fits either, of one head
+    (`_head_rows`).
 
     block_k (a multiple of 64, at most MAX_BLOCK_K, dividing a page's reshaped columns),
     stages, cluster (in CLUSTERS), queries (in QUERY_LAYOUTS), stagger (the staggered
@@ -706,12 +711,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     stages than a key tile's steps) and trim_columns (0, or a divisor of block_k and
     multiple of COLUMN_TILE) and step_loop (0, or with the streamed queries a divisor of
     a key tile's steps less one) and fold (causal calls of one kernel call, cluster 1)
-    and call_heads (the query heads of a head step, at most Hq, with call_rows 0 or
-    None; or 0) override the defaults (tuning runs, tests): QUERIES, BLOCK_K of the
-    layout (with a paged k, the largest multiple of 64 up to it that divides a page's
-    columns), STAGGER with the streamed queries, PAIR_ROWS, the most stages that fit in
-    shared memory, at most MAX_STAGES, `_call_heads` (else `_call_rows`),
-    `_causal_key_groups` or `_key_groups`, `_default_persistent` (where no key_groups or
+    and call_heads (the query heads of a head step, at most Hq, of every row with
+    call_rows 0 or None, else of call_rows rows; or 0) override the defaults (tuning
+    runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest multiple
+    of 64 up to it that divides a page's columns), STAGGER with the streamed queries,
+    PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
+    `_call_heads` (else `_call_rows`, else `_head_rows`), `_causal_key_groups` or
+    `_key_groups`, `_default_persistent` (where no key_groups or
     head_group is given), the rule of `EstimatePlan.launch_group`, and ORDERED_STATS
     with the streamed queries in non-causal calls whose ring is shorter than a key
     tile's steps, `default_trim_columns`, `default_step_loop`, and folded statistics in
@@ -824,12 +830,10 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     if smem > SMEM_BYTES:
         raise ValueError(f"plan {plan} needs {smem} bytes of shared memory; the limit is "
                          f"{SMEM_BYTES}")
-    if call_heads is not None and (not 0 <= call_heads <= geom.q_heads
-                                   or (call_heads and call_rows)):
+    if call_heads is not None and not 0 <= call_heads <= geom.q_heads:
         raise ValueError(f"call_heads must be in [0, {geom.q_heads}] (the query heads of "
-                         f"a head step), with call_rows 0 or None (a head step covers "
-                         f"every row); got call_heads={call_heads}, call_rows={call_rows}")
-    if call_heads:
+                         f"a head step); got {call_heads}")
+    if call_heads and call_rows is None:  # a head step of every row
         call_rows = 0
     if fold and (not causal or cluster > 1 or call_rows):
         raise ValueError(f"fold needs a causal call of one kernel call (call_rows 0) and "
@@ -840,10 +844,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         fold = causal and cluster == 1 and not call_rows and _fold_saves(plan)
     plan = dataclasses.replace(plan, fold=bool(fold))
     bound = max_scratch_bytes or MAX_SCRATCH_BYTES
-    if call_rows is None:  # one call, else head steps, else row steps
+    if call_rows is None:  # one call, else head steps, else row steps (of every head)
         if plan.scratch_bytes > bound:
             call_heads = _call_heads(plan, causal, bound, key_groups is None)
         call_rows = 0 if call_heads else _call_rows(plan, bound)
+        if call_rows is None:  # else row steps of one head
+            call_rows = _head_rows(plan, causal, bound, key_groups is None, default_grid)
+            call_heads = 1
         if call_rows is None:
             raise ValueError(f"plan {plan}: {_steps_refused(plan, causal, bound)}")
     elif call_rows < 0 or call_rows % plan.row_quantum:
@@ -868,7 +875,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
             plan = dataclasses.replace(plan, step_loop=default_step_loop(plan, causal))
     if plan.persistent_ctas:
         return dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan))
-    if key_groups is None and cluster == 1 and not pair_rows and not call_rows:
+    if (key_groups is None and cluster == 1 and not pair_rows
+            and (not call_rows or plan.call_heads)):
         return dataclasses.replace(plan, key_groups=_key_groups(plan))
     return plan
 
@@ -880,7 +888,8 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     call in head steps (its items listed, `EstimatePlan.listed`: every CTA walks as many
     real items, where a step of key-grouped CTAs ends in a part-empty wave), or in row
     steps whose CTAs walk whole rows (one key group), as a row step's last wave of such
-    CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs).
+    CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs); and any call in row
+    steps of one head (`_head_rows`).
 
     H200, block sums, medians of 3 rotating rounds, persistent / a CTA per row tile and
     key group (mosaic_estimate_h200.md). Head steps (session 26): causal 128K within 64
@@ -892,13 +901,21 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     Not where a whole causal call runs in key groups, even listed (session 26: causal 32K
     0.996 / 1.000, 64K 4.073 / 3.760, GQA 32:8 64K 3.943 / 3.708, 128K 15.52 / 15.71), nor
     in non-causal calls (session 25: within the rounds' spread). A head step of fewer
-    than PERSISTENT_MIN_ITEMS listed items per SM keeps its key groups (unmeasured)."""
+    than PERSISTENT_MIN_ITEMS listed items per SM keeps its key groups (unmeasured). Row
+    steps of one head (`_head_rows`), causal or not, run on it too (session 27: non-causal
+    128K within 64 MiB in 2 steps of 8192 rows a head 29.00 ms / 29.99 in 2 key groups,
+    block 64 in 4 steps of 4096 rows 31.30 / 31.39 in 4, 64K block 64 within 16 MiB in 3
+    steps of 3200 rows 10.20 / 11.01 in 4; one call 28.84, 30.48, 7.38)."""
+    if plan.call_rows and plan.call_heads:  # row steps of one head (`_head_rows`)
+        return True
     if not causal:
         return False
+    if plan.call_rows:
+        return plan.key_groups == 1
     if plan.call_heads:
         items = len(listed_items(plan)) * plan.pairs
         return items >= PERSISTENT_MIN_ITEMS * device_sms()
-    return plan.call_rows > 0 and plan.key_groups == 1
+    return False
 
 
 def _persistent_ctas(plan: EstimatePlan) -> int:
@@ -1025,11 +1042,73 @@ def _call_heads(plan: EstimatePlan, causal: bool, bound: int,
     return min(heads, key=lambda n: (cdiv(q_heads, n) * n, cdiv(q_heads, n)))
 
 
-def _head_step(plan: EstimatePlan, causal: bool, heads: int,
-               default_groups: bool) -> EstimatePlan:
-    """`plan` in head steps of `heads` query heads, with `default_groups` in a non-causal
-    call's default key groups (`_key_groups`: they depend on the step's CTAs)."""
-    step = dataclasses.replace(plan, call_heads=heads)
+def _head_rows(plan: EstimatePlan, causal: bool, bound: int, default_groups: bool,
+               default_grid: bool) -> int | None:
+    """The rows of each row step of one query head (call_heads 1), for a call of which
+    neither a head step (`_call_heads`) nor a row step of every head (`_call_rows`) fits
+    within `bound` bytes of statistics (`plan`: call_rows 0, its key groups the call's):
+    a multiple of `row_quantum` whose statistics fit and whose step has the work
+    `_head_row_step` asks; of those, the fewest steps a head, then the fewest work items
+    on the busiest SM in all (`_busiest_sm_tiles`), then the fewest rows computed (the
+    last step overlapping the one before), then the largest. None if none fits.
+    Non-causal 128K within 64 MiB (72 MiB a head, block 128): 2 steps of 8192 rows on
+    the persistent grid (4096 items on 132 CTAs)."""
+    geom, quantum = plan.geom, plan.row_quantum
+    extent = geom.q_blocks * geom.block_rows  # the rows the steps cover
+    one_head = dataclasses.replace(plan, call_heads=1, fold=False)
+    fit = min(bound // one_head.row_scratch_bytes, cdiv(extent, quantum) * quantum)
+    steps = {}
+    for rows in range(quantum, fit // quantum * quantum + 1, quantum):
+        step = _head_row_step(plan, causal, rows, default_groups, default_grid)
+        if step is not None:
+            steps[rows] = cdiv(extent, rows) * _busiest_sm_tiles(step, causal)
+    if not steps:
+        return None
+    return min(steps, key=lambda rows: (cdiv(extent, rows), steps[rows],
+                                        cdiv(extent, rows) * rows, -rows))
+
+
+def _head_row_step(plan: EstimatePlan, causal: bool, rows: int, default_groups: bool,
+                   default_grid: bool) -> EstimatePlan | None:
+    """`plan` in row steps of `rows` rows of one head, as `estimate_plan` makes it (with
+    `default_grid` on the persistent grid, `_default_persistent`; else with
+    `default_groups`, a non-causal step in `_key_groups`), or None where it has too
+    little work: on a persistent grid fewer than PERSISTENT_MIN_ITEMS work items per SM
+    (empty ones included: the smallest persistent step measured), else fewer CTAs than
+    `auto_min_ctas`."""
+    step = _head_step(plan, causal, 1, default_groups, rows)
+    if default_grid:
+        step = dataclasses.replace(step, key_groups=1, persistent_ctas=1)
+        step = dataclasses.replace(step, persistent_ctas=_persistent_ctas(step))
+    if step.persistent_ctas:
+        enough = step.step_ctas(rows) >= PERSISTENT_MIN_ITEMS * device_sms()
+    else:
+        enough = step.ctas(causal) >= auto_min_ctas()
+    return step if enough else None
+
+
+def _grid_alone(plan: EstimatePlan) -> bool:
+    """Whether `plan`'s layout takes a persistent grid: streamed queries, cluster 1, no
+    pair_rows (`estimate_plan`'s persistent)."""
+    return plan.queries == "streamed" and plan.cluster == 1 and not plan.pair_rows
+
+
+def _busiest_sm_tiles(step: EstimatePlan, causal: bool) -> int:
+    """The key tiles (work items) the busiest SM walks in one kernel call of `step`, a
+    row step taking every key tile of its row tiles: a CTA's span times its waves, or
+    the persistent grid's items per CTA (a causal step's empty items counted)."""
+    if step.persistent_ctas:
+        return cdiv(step.step_ctas(step.rows_per_call), step.persistent_ctas)
+    return cdiv(step.ctas(causal), device_sms()) * step.key_span
+
+
+def _head_step(plan: EstimatePlan, causal: bool, heads: int, default_groups: bool,
+               rows: int = 0) -> EstimatePlan:
+    """`plan` in head steps of `heads` query heads (with `rows`, a row step of them), with
+    `default_groups` in a non-causal call's default key groups (`_key_groups`: they
+    depend on the step's CTAs)."""
+    step = dataclasses.replace(plan, call_heads=heads, call_rows=rows,
+                               fold=plan.fold and not rows)
     if step.persistent_ctas:
         return dataclasses.replace(step, persistent_ctas=_persistent_ctas(step))
     if default_groups and not causal and step.cluster == 1 and not step.pair_rows:
@@ -1038,14 +1117,22 @@ def _head_step(plan: EstimatePlan, causal: bool, heads: int,
 
 
 def _steps_refused(plan: EstimatePlan, causal: bool, bound: int) -> str:
-    """Why neither a row step of a wave (`_call_rows`) nor a head step (`_call_heads`,
-    default key groups) of `plan` fits within `bound` bytes of statistics."""
+    """Why neither a row step of a wave (`_call_rows`) nor a head step (`_call_heads`)
+    nor a row step of one head (`_head_rows`; the default grid) of `plan` fits within
+    `bound` bytes of statistics: the smallest of each."""
     rows, head = _wave_rows(plan), _head_step(plan, causal, 1, default_groups=True)
+    quantum = plan.row_quantum
+    part = next((step for n in range(quantum, plan.padded_rows + quantum, quantum)
+                 if (step := _head_row_step(plan, causal, n, True, _grid_alone(plan)))
+                 is not None), None)
+    part_need = ("no row step of one head has the work a step needs" if part is None
+                 else f"{part.scratch_bytes} bytes for a row step of one head "
+                      f"({part.call_rows} rows, {part.ctas(causal)} CTAs)")
     return (f"impl='mosaic' block sums need {plan.row_scratch_bytes * rows} bytes of "
             f"statistics for one row step of a wave of row tiles ({rows} rows of every "
             f"head), or {head.scratch_bytes} bytes for a head step of one head's rows "
-            f"({head.ctas(causal)} CTAs, of the {auto_min_ctas()} a step needs), over "
-            f"max_scratch_bytes={bound}")
+            f"({head.ctas(causal)} CTAs, of the {auto_min_ctas()} a step needs), or "
+            f"{part_need}, over max_scratch_bytes={bound}")
 
 
 def default_trim_columns(block_k: int) -> int:

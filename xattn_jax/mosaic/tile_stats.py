@@ -91,6 +91,8 @@ them, while the statistics are written at the call's own rows (its scratch holds
 call_rows). A call in head steps (`plan.call_heads`) covers the query heads
 `scalars[2]` .. + call_heads, all their rows: the queries (and their key heads) are read
 at those heads, the statistics written at the call's own (its scratch holds call_heads).
+A call of both (a row step of one head, `estimate_plan._head_rows`) covers those rows of
+those heads.
 
 `plan.leave_out` (timing only) skips the consumers' products or their statistics past
 the maxima; the pipeline and the stores stay.
