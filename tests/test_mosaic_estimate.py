@@ -623,6 +623,12 @@ def test_persistent_plan_and_refusals():
     assert 288 < estimate_plan.PERSISTENT_MIN_ITEMS * estimate_plan.HOPPER_SMS
     tiny = Geometry(1, 2, 1, 256, 4096, 128, 8, 64)  # 2 heads x 1 row tile x 2 key tiles
     assert estimate_plan.estimate_plan(tiny, jnp.bfloat16, persistent=True).ctas(False) == 4
+    # causal 4K: 4 row tiles x 2 key tiles, the first two row tiles seeing one: a CTA
+    # per listed item (6), none walking nothing
+    short = estimate_plan.estimate_plan(Geometry(1, 1, 1, 4096, 4096, 128, 8, 128),
+                                        jnp.bfloat16, causal=True, persistent=True)
+    assert short.listed(True) and estimate_plan.listed_items(short) == (0, 1, 2, 3, 6, 7)
+    assert short.persistent_ctas == 6
     assert not estimate_plan.estimate_plan(geom, jnp.bfloat16).persistent_ctas
     for options in ({"queries": "resident"}, {"key_groups": 2}, {"pair_rows": True}):
         with pytest.raises(ValueError, match="persistent needs queries='streamed'"):
@@ -1226,7 +1232,10 @@ def test_persistent_grid_in_gpu_interpret_mode(rand, monkeypatch, case):
                                        persistent=True, **options)
     items = int(estimate_plan.work_items(plan)[0])  # with the last block's empty ones
     tiles = geom.batch * plan.heads * plan.call_row_tiles * plan.key_tiles
-    assert plan.persistent_ctas == min(estimate_plan.HOPPER_SMS, tiles) > ctas
+    # a grid planned as listed (causal given): one CTA per real item at most
+    walked = (len(estimate_plan.listed_items(plan)) * plan.pairs
+              if plan.listed(options.get("causal", False)) else tiles)
+    assert plan.persistent_ctas == min(estimate_plan.HOPPER_SMS, walked) > ctas
     assert items >= tiles
     plan = dataclasses.replace(plan, persistent_ctas=ctas)
     _interpreted_equals_reference(q, k, geom, plan, causal=causal, key_len=key_len,

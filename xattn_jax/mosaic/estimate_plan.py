@@ -874,7 +874,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         if default_loop:
             plan = dataclasses.replace(plan, step_loop=default_step_loop(plan, causal))
     if plan.persistent_ctas:
-        return dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan))
+        return dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan, causal))
     if (key_groups is None and cluster == 1 and not pair_rows
             and (not call_rows or plan.call_heads)):
         return dataclasses.replace(plan, key_groups=_key_groups(plan))
@@ -918,10 +918,13 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     return False
 
 
-def _persistent_ctas(plan: EstimatePlan) -> int:
+def _persistent_ctas(plan: EstimatePlan, causal: bool) -> int:
     """The CTAs of `plan`'s persistent grid (`plan.persistent_ctas` > 0; a kernel call, or
-    a step of one): one per SM (`device_sms`), at most one per work item."""
-    return min(device_sms(), plan.step_ctas(plan.rows_per_call))
+    a step of one): one per SM (`device_sms`), at most one per work item it walks (listed,
+    `EstimatePlan.listed`: per real item, so that no CTA walks nothing)."""
+    items = (len(listed_items(plan)) * plan.pairs if plan.listed(causal)
+             else plan.step_ctas(plan.rows_per_call))
+    return min(device_sms(), items)
 
 
 def _causal_key_groups(plan: EstimatePlan) -> int:
@@ -1079,7 +1082,7 @@ def _head_row_step(plan: EstimatePlan, causal: bool, rows: int, default_groups: 
     step = _head_step(plan, causal, 1, default_groups, rows)
     if default_grid:
         step = dataclasses.replace(step, key_groups=1, persistent_ctas=1)
-        step = dataclasses.replace(step, persistent_ctas=_persistent_ctas(step))
+        step = dataclasses.replace(step, persistent_ctas=_persistent_ctas(step, causal))
     if step.persistent_ctas:
         enough = step.step_ctas(rows) >= PERSISTENT_MIN_ITEMS * device_sms()
     else:
@@ -1110,7 +1113,7 @@ def _head_step(plan: EstimatePlan, causal: bool, heads: int, default_groups: boo
     step = dataclasses.replace(plan, call_heads=heads, call_rows=rows,
                                fold=plan.fold and not rows)
     if step.persistent_ctas:
-        return dataclasses.replace(step, persistent_ctas=_persistent_ctas(step))
+        return dataclasses.replace(step, persistent_ctas=_persistent_ctas(step, causal))
     if default_groups and not causal and step.cluster == 1 and not step.pair_rows:
         step = dataclasses.replace(step, key_groups=_key_groups(step))
     return step
