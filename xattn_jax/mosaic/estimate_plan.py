@@ -216,7 +216,10 @@ LAUNCH_KEY_BYTES = 24 << 20
 OPERAND_BYTES = 2  # q and k hold bfloat16 or float16 (SUPPORTED_DTYPES)
 # Row tiles per block of the persistent grid's item order (`work_items`): the key tiles
 # pass by a block's row tiles, whose queries (16 MiB at 128 rows x S 8 x D 128 in bf16)
-# stay in L2 meanwhile, as each key tile does while the CTAs share it
+# stay in L2 meanwhile, as each key tile does while the CTAs share it. H200, whole causal
+# calls listed, block sums, blocks of 64 / 32 / 16 (session 27): causal 64K 4.090 / 3.971
+# / 4.176 ms, 128K 15.52 / 15.10 / 15.73 (rounds spread 1.5 ms), 32K 1.043 / 1.017 /
+# 1.016 (64 and 32 the same kernel): none beats key groups where they run (3.797 at 64K)
 ROW_BLOCK_TILES = 64
 # The fewest work items per SM for which a causal head step runs on the listed persistent
 # grid by default (`_default_persistent`): the smallest step measured, causal 32K within
@@ -899,7 +902,8 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     at the default bound causal 256K (8 heads) 60.86 / 62.67, 512K (2 heads) 236.6 /
     247.9. Row steps (session 25): causal 1M (1024 rows) 982.6 / 1039.7, every round.
     Not where a whole causal call runs in key groups, even listed (session 26: causal 32K
-    0.996 / 1.000, 64K 4.073 / 3.760, GQA 32:8 64K 3.943 / 3.708, 128K 15.52 / 15.71), nor
+    0.996 / 1.000, 64K 4.073 / 3.760, GQA 32:8 64K 3.943 / 3.708, 128K 15.52 / 15.71;
+    session 27, blocks of 32 row tiles, `ROW_BLOCK_TILES`: 64K 3.971 / 3.797), nor
     in non-causal calls (session 25: within the rounds' spread). A head step of fewer
     than PERSISTENT_MIN_ITEMS listed items per SM keeps its key groups (unmeasured). Row
     steps of one head (`_head_rows`), causal or not, run on it too (session 27: non-causal
