@@ -892,7 +892,7 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     real items, where a step of key-grouped CTAs ends in a part-empty wave), or in row
     steps whose CTAs walk whole rows (one key group), as a row step's last wave of such
     CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs); and any call in row
-    steps of one head (`_head_rows`).
+    steps of some heads (call_heads with call_rows: `_head_rows` makes them of one).
 
     H200, block sums, medians of 3 rotating rounds, persistent / a CTA per row tile and
     key group (mosaic_estimate_h200.md). Head steps (session 26): causal 128K within 64
@@ -910,7 +910,7 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     128K within 64 MiB in 2 steps of 8192 rows a head 29.00 ms / 29.99 in 2 key groups,
     block 64 in 4 steps of 4096 rows 31.30 / 31.39 in 4, 64K block 64 within 16 MiB in 3
     steps of 3200 rows 10.20 / 11.01 in 4; one call 28.84, 30.48, 7.38)."""
-    if plan.call_rows and plan.call_heads:  # row steps of one head (`_head_rows`)
+    if plan.call_rows and plan.call_heads:  # row steps of some heads (`_head_rows`)
         return True
     if not causal:
         return False
