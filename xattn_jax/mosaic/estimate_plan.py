@@ -806,8 +806,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                              f"stages {stages}")
         ordered_stats = False  # and its barrier's room goes back to the ring
         stages = deepest(False) if deepest_ring else stages
-    grid_alone = (queries == "streamed" and cluster == 1 and key_groups in (None, 1)
-                  and not pair_rows)
+    grid_alone = _layout_takes_persistent(queries, cluster, pair_rows) and key_groups in (
+        None, 1)
     # the default grid is known once the steps are (`_default_persistent`)
     default_grid = (grid_alone and persistent is None and key_groups is None
                     and head_group is None)
@@ -1094,10 +1094,15 @@ def _head_row_step(plan: EstimatePlan, causal: bool, rows: int, default_groups: 
     return step if enough else None
 
 
+def _layout_takes_persistent(queries: str, cluster: int, pair_rows: bool) -> bool:
+    """Whether a layout takes a persistent grid (`estimate_plan`'s persistent, with one
+    key group): streamed queries, cluster 1, no pair_rows."""
+    return queries == "streamed" and cluster == 1 and not pair_rows
+
+
 def _grid_alone(plan: EstimatePlan) -> bool:
-    """Whether `plan`'s layout takes a persistent grid: streamed queries, cluster 1, no
-    pair_rows (`estimate_plan`'s persistent)."""
-    return plan.queries == "streamed" and plan.cluster == 1 and not plan.pair_rows
+    """`_layout_takes_persistent` of `plan`'s layout."""
+    return _layout_takes_persistent(plan.queries, plan.cluster, plan.pair_rows)
 
 
 def _busiest_sm_tiles(step: EstimatePlan, causal: bool) -> int:
