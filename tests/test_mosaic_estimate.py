@@ -467,7 +467,8 @@ def test_row_steps_of_one_head_take_the_calls_no_other_step_fits():
     MiB); block 64 (136 MiB a head), 3 steps of 5504 rows (43 row tiles x 64 key tiles:
     21 items on the busiest SM, where 5632 rows give 22). A step where
     key_groups are given keeps them (128 CTAs at 2). Causal 128K within 32 MiB (one
-    head folded: 36.6 MiB): steps of 5504 rows, unfolded and unlisted. Explicit
+    head folded: 36.6 MiB): steps of 5504 rows, unfolded, each step's items listed
+    (484, 1408 and 2311 a head: the first rows see few key tiles). Explicit
     call_heads with call_rows, and the refusal of call_rows not a multiple of the row
     quantum."""
     bound = 64 << 20
@@ -489,7 +490,8 @@ def test_row_steps_of_one_head_take_the_calls_no_other_step_fits():
                                          max_scratch_bytes=32 << 20)
     assert (causal.call_heads, causal.call_rows, causal.fold) == (1, 5504, False)
     assert (causal.key_groups, causal.persistent_ctas) == (1, 132)
-    assert not causal.listed(True) and causal.scratch_bytes <= 32 << 20
+    assert causal.listed(True) and causal.scratch_bytes <= 32 << 20
+    assert list(estimate_plan.items_table(causal)[:, 0]) == [484, 1408, 2311]
     both = estimate_plan.estimate_plan(causal_128k, jnp.bfloat16, causal=True,
                                        call_heads=2, call_rows=1024)
     assert (both.call_heads, both.call_rows, both.fold) == (2, 1024, False)
@@ -583,9 +585,9 @@ def test_persistent_plan_and_refusals():
     work item (in a head step: the step's), the items of a key tile in blocks of
     ROW_BLOCK_TILES row tiles; refused with the resident queries, a cluster, key groups
     or pair_rows. By default causal calls in steps run on it: row steps of whole rows
-    (1M) and head steps (256K; its items listed) of at least PERSISTENT_MIN_ITEMS items
-    per SM, but not whole calls (128K: key groups), non-causal calls, or a call given
-    persistent=False, key_groups or head_group."""
+    (1M; each step's items listed) and head steps (256K; its items listed) of at least
+    PERSISTENT_MIN_ITEMS items per SM, but not whole calls (128K: key groups),
+    non-causal calls, or a call given persistent=False, key_groups or head_group."""
     geom = Geometry(1, 32, 32, 32768, 32768, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, persistent=True)
     assert (plan.persistent_ctas, plan.ctas(True), plan.key_groups) == (132, 132, 1)
@@ -610,7 +612,10 @@ def test_persistent_plan_and_refusals():
     assert (head_steps.call_heads, head_steps.persistent_ctas, head_steps.key_groups,
             head_steps.fold) == (8, 132, 1, True)
     assert head_steps.listed(True) and not head_steps.listed(False)
-    assert not default.listed(True)  # row steps: their empty items depend on the row
+    assert default.listed(True)  # per row step: 128 steps, the first rows seeing least
+    table = estimate_plan.items_table(default)
+    assert table.shape[0] == 128 and table[0, 0] < table[-1, 0] == table.shape[1] - 1
+    assert default.persistent_ctas == 132
     for length, causal in ((131072, True), (1 << 20, False), (262144, False)):
         other = estimate_plan.estimate_plan(Geometry(1, 32, 32, length, length, 128, 8, 128),
                                             jnp.bfloat16, causal=causal)
@@ -726,28 +731,46 @@ def test_compacted_grid_holds_exactly_the_walking_ctas(q_len, k_len, stride, blo
         stepped.row_groups(True) * groups)
 
 
-@pytest.mark.parametrize("q_len, k_len, block_tiles", [
-    (4096, 4096, 64), (4096, 4096, 3), (2560, 8192, 4), (6000, 6000, 64)])
+@pytest.mark.parametrize("q_len, k_len, block_tiles, call_rows", [
+    (4096, 4096, 64, 0), (4096, 4096, 3, 0), (2560, 8192, 4, 0), (6000, 6000, 64, 0),
+    (4096, 4096, 64, 128), (6000, 6000, 2, 256), (2560, 8192, 4, 128)])
 def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
-                                                    block_tiles):
-    """A listed persistent grid (a causal call of whole rows) walks each (row tile, key
-    tile) its row tile sees exactly once, in `work_items` order: key tile by key tile
-    within blocks of ROW_BLOCK_TILES row tiles (the last block part empty where they do
-    not divide the row tiles), and nothing else."""
+                                                    block_tiles, call_rows):
+    """A listed persistent grid (a causal call) walks each (row tile, key tile) its row
+    tile sees exactly once, in `work_items` order: key tile by key tile within blocks
+    of ROW_BLOCK_TILES row tiles (the last block part empty where they do not divide
+    the row tiles), and nothing else; in row steps, each step those of its own rows
+    (`step_first_rows`, as `row_statistics.in_steps` walks them, the last step moved
+    back to end at the last query block), its row of `items_table` the number of them,
+    the items, then zeros."""
     monkeypatch.setattr(estimate_plan, "ROW_BLOCK_TILES", block_tiles)
     geom = Geometry(1, 4, 2, q_len, k_len, 128, 8, 128)
-    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, persistent=True)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, persistent=True,
+                                       call_rows=call_rows)
     assert plan.listed(True) and not plan.listed(False)
-    items = estimate_plan.listed_items(plan)
-    assert list(items) == sorted(set(items))
     block, tiles = plan.row_block_tiles, plan.key_tiles
-    walked = sorted((i // (block * tiles) * block + i % block, i // block % tiles)
-                    for i in items)
-    seen = estimate_plan.row_tiles_seen(plan)
-    assert walked == [(r, t) for r in range(plan.call_row_tiles) for t in range(seen[r])]
-    assert len(items) == sum(seen)
-    if q_len == k_len:  # the tiles past each row tile's diagonal are left out
-        assert len(items) < plan.call_row_tiles * tiles
+    table = estimate_plan.items_table(plan)
+    first_rows = estimate_plan.step_first_rows(plan)
+    assert len(first_rows) == table.shape[0] == (
+        -(-geom.q_blocks * geom.block_rows // call_rows) if call_rows else 1)
+    assert first_rows[-1] + plan.rows_per_call == (
+        geom.q_blocks * geom.block_rows if call_rows else 0 + plan.rows_per_call)
+    for step, first_row in enumerate(first_rows):
+        items = estimate_plan.listed_items(plan, step)
+        assert list(items) == sorted(set(items))
+        assert table[step, 0] == len(items) and not table[step, 1 + len(items):].any()
+        walked = sorted((i // (block * tiles) * block + i % block, i // block % tiles)
+                        for i in items)
+        seen = estimate_plan.visible_tiles(
+            plan, True, first_row + np.arange(plan.call_row_tiles) * plan.rows)
+        assert walked == [(r, t) for r in range(plan.call_row_tiles)
+                          for t in range(seen[r])]
+        if not call_rows:
+            assert list(seen) == list(estimate_plan.row_tiles_seen(plan))
+        if q_len == k_len and step == 0:  # the tiles past the diagonal are left out
+            assert len(items) < plan.call_row_tiles * tiles
+        traced = jax.jit(lambda row: estimate_plan.row_step(plan, row))(first_row)
+        assert int(traced) == step
 
 
 @pytest.mark.parametrize("page_size, queries, block_k", [
@@ -1200,7 +1223,8 @@ def test_keys_in_use_pages_and_row_steps_in_gpu_interpret_mode(rand, case):
 # the last block has an empty item per key tile); batch 2; keys in use of a paged cache;
 # row steps, one row tile per block; causal with folded statistics; causal head steps of
 # 3 of 4 heads (GQA 2:1, the second step overlapping the first), folded and listed, and
-# in row steps of 128 rows (unlisted: their empty items walked), causal and not.
+# in row steps of 128 rows (causal: each step's items listed), causal and not; causal
+# row steps of every head listed.
 PERSISTENT_CASES = [
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64}, 3, 2),
     (2, 2, 1, 190, 251, 64, 2, 16, False, None, None, {"block_k": 64}, 5, 64),
@@ -1232,8 +1256,9 @@ def test_persistent_grid_in_gpu_interpret_mode(rand, monkeypatch, case):
                                        persistent=True, **options)
     items = int(estimate_plan.work_items(plan)[0])  # with the last block's empty ones
     tiles = geom.batch * plan.heads * plan.call_row_tiles * plan.key_tiles
-    # a grid planned as listed (causal given): one CTA per real item at most
-    walked = (len(estimate_plan.listed_items(plan)) * plan.pairs
+    # a grid planned as listed (causal given): one CTA per real item of its longest
+    # step at most
+    walked = (int(estimate_plan.items_table(plan)[:, 0].max()) * plan.pairs
               if plan.listed(options.get("causal", False)) else tiles)
     assert plan.persistent_ctas == min(estimate_plan.HOPPER_SMS, walked) > ctas
     assert items >= tiles

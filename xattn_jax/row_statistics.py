@@ -113,6 +113,15 @@ def blocks_of_units(rows_summed: jax.Array, geom: Geometry, unit: int) -> jax.Ar
     return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)
 
 
+def step_start(step, q_blocks: int, blocks: int):
+    """The first query block of row step `step` (a Python int or a traced int32 scalar) of
+    `blocks` query blocks each out of `q_blocks`: step x blocks, the last step's moved
+    back to end at the last block (`in_steps`)."""
+    if isinstance(step, int):
+        return min(step * blocks, q_blocks - blocks)
+    return jnp.minimum(step * blocks, q_blocks - blocks)
+
+
 def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of) -> jax.Array:
     """The block sums `[B, Hq, qb, kb]` of a call made of several kernel calls, one after
     another: `heads` query heads and `blocks` query blocks each, block_sums_of(first_head,
@@ -126,7 +135,7 @@ def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of) -> jax.Arra
     def one_call(i, out):
         # lax.div/rem: i >= 0
         head = jnp.minimum(jax.lax.div(i, row_steps) * heads, geom.q_heads - heads)
-        start = jnp.minimum(jax.lax.rem(i, row_steps) * blocks, geom.q_blocks - blocks)
+        start = step_start(jax.lax.rem(i, row_steps), geom.q_blocks, blocks)
         part = block_sums_of(head, start * geom.block_rows, blocks)
         return jax.lax.dynamic_update_slice(out, part, (0, head, start, 0))
 

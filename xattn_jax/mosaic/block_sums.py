@@ -24,8 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, row_tiles_seen,
-                                            tail_tile, visible_tiles)
+from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, row_step,
+                                            row_tiles_seen, tail_tile, visible_tiles)
 from xattn_jax.row_statistics import (LOG2_E, blocks_of_units, combine, fit, in_steps,
                                      row_counts, row_weights)
 
@@ -182,7 +182,8 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         scalars = jnp.concatenate([kernel_keys, first,
                                    jnp.asarray(first_head, jnp.int32)[None]])
         stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
-                                      causal=causal, scale=scale)
+                                      causal=causal, scale=scale,
+                                      step=row_step(plan, first_row))
         if plan.fold:  # a whole causal call: all rows, all keys
             return _folded_block_sums(stats, plan, sees_keys)
         maxes, sums, totals = _planes(stats, plan, causal, first_row, cols)

@@ -49,9 +49,9 @@ or the caller's bound) and on which grid: one CTA per row tile, or per row tile 
 key group (`key_groups`, each a span of the key tiles: in causal calls, and where the
 row tiles alone leave SMs idle: `_causal_key_groups`, `_key_groups`), or a persistent
 grid of one CTA per SM that walks work items of one row tile and one key tile each
-(`persistent_ctas`, `work_items`; in a causal call of whole rows only those its row
-tiles see, `listed_items`; causal head steps and row steps of whole rows,
-`_default_persistent`),
+(`persistent_ctas`, `work_items`; in a causal call only those its row tiles see,
+`listed_items`, per row step `items_table`; causal head steps and row steps of whole
+rows, `_default_persistent`),
 and in which order the CTAs launch (`launch_group`: in causal calls of one key group,
 the row tiles of a few heads interleaved, longest first).
 
@@ -79,7 +79,7 @@ import numpy as np
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
 from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
-from xattn_jax.row_statistics import UnitSums
+from xattn_jax.row_statistics import UnitSums, step_start
 from xattn_jax.triton.plan import ONE_PASS_WHOLE_CALL_BYTES
 
 WGMMA_ROWS = 64  # reshaped query rows of one consumer's product: one wgmma M tile
@@ -387,12 +387,11 @@ class EstimatePlan(UnitSums):
 
     def listed(self, causal: bool) -> bool:
         """Whether a persistent grid walks a list of its work items (`listed_items`)
-        instead of all of them: in a causal call of whole rows (one kernel call, or head
-        steps), where the items of key tiles past a row tile's diagonal are empty and the
-        list leaves them out, so that every CTA walks as many real items (one more at
-        most). A row step's empty items depend on its first row, a traced value: it
-        walks them all."""
-        return causal and bool(self.persistent_ctas) and not self.call_rows
+        instead of all of them: in a causal call, where the items of key tiles past a
+        row tile's diagonal are empty and the list leaves them out, so that every CTA
+        walks as many real items (one more at most). A call in row steps lists each
+        step's (`items_table`: one row per step, the kernel reading its step's)."""
+        return causal and bool(self.persistent_ctas)
 
     def ctas(self, causal: bool) -> int:
         """The CTAs of one kernel call (of a row step with `call_rows`)."""
@@ -589,25 +588,63 @@ def work_items(plan: EstimatePlan, cols=None):
     return tiles * (plan.pairs * plan.row_blocks * plan.row_block_tiles), tiles
 
 
-def listed_items(plan: EstimatePlan) -> tuple[int, ...]:
+def step_first_rows(plan: EstimatePlan) -> tuple[int, ...]:
+    """The first reshaped query row of each of the call's row steps, in the order
+    `row_statistics.in_steps` walks them (the last one moved back to end at the last
+    query block); (0,) for a call of whole rows."""
+    if not plan.call_rows:
+        return (0,)
+    geom = plan.geom
+    blocks = plan.call_rows // geom.block_rows
+    return tuple(step_start(step, geom.q_blocks, blocks) * geom.block_rows
+                 for step in range(cdiv(geom.q_blocks, blocks)))
+
+
+def row_step(plan: EstimatePlan, first_row):
+    """The index in `step_first_rows` of the row step whose first row is `first_row` (a
+    traced int32 scalar; 0 for a call of whole rows): ceil(first_row / call_rows), the
+    last step's too."""
+    if not plan.call_rows:
+        return 0
+    return jax.lax.div(first_row + (plan.call_rows - 1), jnp.int32(plan.call_rows))
+
+
+def listed_items(plan: EstimatePlan, step: int = 0) -> tuple[int, ...]:
     """The work items of one (batch, query head) pair that a listed persistent grid walks
-    (`EstimatePlan.listed`), in `work_items` order: the index within the pair's items
-    (item i of the call being pair x (items per pair) + index) of exactly the items
-    whose row tile sees their key tile (`row_tiles_seen`; every pair's are the same).
-    The kernel reads them from an int32 operand, item c + G j of the call for CTA c."""
-    return _listed_items(plan, plan.row_block_tiles)
+    (`EstimatePlan.listed`) in row step `step` (`step_first_rows`; 0 for a call of
+    whole rows), in `work_items` order: the index within the pair's items (item i of
+    the call being pair x (items per pair) + index) of exactly the items whose row tile
+    sees their key tile (`visible_tiles`; every pair's are the same). The kernel reads
+    them from its step's row of `items_table`, item c + G j of the call for CTA c."""
+    row = items_table(plan)[step]
+    return tuple(int(i) for i in row[1:1 + row[0]])
+
+
+def items_table(plan: EstimatePlan) -> np.ndarray:
+    """The listed items of every row step of a call (`listed_items`), int32 `[row steps,
+    1 + n]` (one row for a call of whole rows): row r holds the number of step r's items
+    of one pair, then those items, then zeros up to the longest step's n. The kernel
+    takes its step's row as an operand. Read-only (cached)."""
+    return _items_table(plan, plan.row_block_tiles)
 
 
 @functools.lru_cache(maxsize=64)
-def _listed_items(plan: EstimatePlan, block: int) -> tuple[int, ...]:
-    blocks, tiles = plan.row_blocks, plan.key_tiles
-    seen = np.zeros(blocks * block, np.int64)
-    seen[:plan.call_row_tiles] = row_tiles_seen(plan)
+def _items_table(plan: EstimatePlan, block: int) -> np.ndarray:
+    blocks, tiles, row_tiles = plan.row_blocks, plan.key_tiles, plan.call_row_tiles
+    first = np.asarray(step_first_rows(plan))[:, None]  # [steps, 1]
+    seen = np.zeros((len(first), blocks * block), np.int64)
+    seen[:, :row_tiles] = visible_tiles(plan, True, first + np.arange(row_tiles) * plan.rows)
     row_tile = (np.arange(blocks)[:, None, None] * block
                 + np.arange(block)[None, None, :])  # [blocks, 1, block]
     tile = np.arange(tiles)[None, :, None]  # [1, tiles, 1]
-    visible = tile < seen[row_tile]  # [blocks, tiles, block]
-    return tuple(int(i) for i in np.flatnonzero(visible))
+    lists = [np.flatnonzero(tile < step_seen[row_tile])  # [blocks, tiles, block]
+             for step_seen in seen]
+    table = np.zeros((len(lists), 1 + max(map(len, lists))), np.int32)
+    for step, items in enumerate(lists):
+        table[step, 0] = len(items)
+        table[step, 1:1 + len(items)] = items
+    table.flags.writeable = False
+    return table
 
 
 def device_sms() -> int:
@@ -890,9 +927,10 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     a row tile and a key tile each, its pipeline going on across them) instead: a causal
     call in head steps (its items listed, `EstimatePlan.listed`: every CTA walks as many
     real items, where a step of key-grouped CTAs ends in a part-empty wave), or in row
-    steps whose CTAs walk whole rows (one key group), as a row step's last wave of such
-    CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs); and any call in row
-    steps of some heads (call_heads with call_rows: `_head_rows` makes them of one).
+    steps whose CTAs walk whole rows (one key group; each step's items listed), as a row
+    step's last wave of such CTAs is part empty (causal 1M: 256 CTAs a step on 132 SMs);
+    and any call in row steps of some heads (call_heads with call_rows: `_head_rows`
+    makes them of one).
 
     H200, block sums, medians of 3 rotating rounds, persistent / a CTA per row tile and
     key group (mosaic_estimate_h200.md). Head steps (session 26): causal 128K within 64
@@ -909,7 +947,13 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
     steps of one head (`_head_rows`), causal or not, run on it too (session 27: non-causal
     128K within 64 MiB in 2 steps of 8192 rows a head 29.00 ms / 29.99 in 2 key groups,
     block 64 in 4 steps of 4096 rows 31.30 / 31.39 in 4, 64K block 64 within 16 MiB in 3
-    steps of 3200 rows 10.20 / 11.01 in 4; one call 28.84, 30.48, 7.38)."""
+    steps of 3200 rows 10.20 / 11.01 in 4; one call 28.84, 30.48, 7.38). Causal row
+    steps listed per step against walking every item (session 28, alternating processes,
+    two medians each, bit-identical block sums): causal 128K within 32 MiB (3 steps of
+    5504 rows a head) 16.73, 16.83 / 19.52, 19.69 ms (one call 15.52, session 27); 256K
+    within 64 MiB (5 of 6656) 63.23, 63.40 / 64.36, 64.13; 1M at the default bound (128
+    steps of 1024 rows of every head) 985.0, 986.1 / 991.0, 992.0; 1M within 64 MiB (74
+    of 1792 a head) 1021.7, 1026.7 / 1023.3, 1021.4."""
     if plan.call_rows and plan.call_heads:  # row steps of some heads (`_head_rows`)
         return True
     if not causal:
@@ -925,8 +969,9 @@ def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
 def _persistent_ctas(plan: EstimatePlan, causal: bool) -> int:
     """The CTAs of `plan`'s persistent grid (`plan.persistent_ctas` > 0; a kernel call, or
     a step of one): one per SM (`device_sms`), at most one per work item it walks (listed,
-    `EstimatePlan.listed`: per real item, so that no CTA walks nothing)."""
-    items = (len(listed_items(plan)) * plan.pairs if plan.listed(causal)
+    `EstimatePlan.listed`: per real item of its longest row step, so that no CTA walks
+    nothing where the steps are as long)."""
+    items = (int(items_table(plan)[:, 0].max()) * plan.pairs if plan.listed(causal)
              else plan.step_ctas(plan.rows_per_call))
     return min(device_sms(), items)
 
@@ -1056,7 +1101,7 @@ def _head_rows(plan: EstimatePlan, causal: bool, bound: int, default_groups: boo
     within `bound` bytes of statistics (`plan`: call_rows 0, its key groups the call's):
     a multiple of `row_quantum` whose statistics fit and whose step has the work
     `_head_row_step` asks; of those, the fewest steps a head, then the fewest work items
-    on the busiest SM in all (`_busiest_sm_tiles`), then the fewest rows computed (the
+    on the busiest SM in all (`_busiest_sm_items`), then the fewest rows computed (the
     last step overlapping the one before), then the largest. None if none fits.
     Non-causal 128K within 64 MiB (72 MiB a head, block 128): 2 steps of 8192 rows on
     the persistent grid (4096 items on 132 CTAs)."""
@@ -1068,7 +1113,7 @@ def _head_rows(plan: EstimatePlan, causal: bool, bound: int, default_groups: boo
     for rows in range(quantum, fit // quantum * quantum + 1, quantum):
         step = _head_row_step(plan, causal, rows, default_groups, default_grid)
         if step is not None:
-            steps[rows] = cdiv(extent, rows) * _busiest_sm_tiles(step, causal)
+            steps[rows] = _busiest_sm_items(step, causal)
     if not steps:
         return None
     return min(steps, key=lambda rows: (cdiv(extent, rows), steps[rows],
@@ -1081,7 +1126,8 @@ def _head_row_step(plan: EstimatePlan, causal: bool, rows: int, default_groups: 
     `default_grid` on the persistent grid, `_default_persistent`; else with
     `default_groups`, a non-causal step in `_key_groups`), or None where it has too
     little work: on a persistent grid fewer than PERSISTENT_MIN_ITEMS work items per SM
-    (empty ones included: the smallest persistent step measured), else fewer CTAs than
+    (all its row tiles' key tiles counted, those a listed grid leaves out included: the
+    smallest persistent step measured), else fewer CTAs than
     `auto_min_ctas`."""
     step = _head_step(plan, causal, 1, default_groups, rows)
     if default_grid:
@@ -1105,13 +1151,19 @@ def _grid_alone(plan: EstimatePlan) -> bool:
     return _layout_takes_persistent(plan.queries, plan.cluster, plan.pair_rows)
 
 
-def _busiest_sm_tiles(step: EstimatePlan, causal: bool) -> int:
-    """The key tiles (work items) the busiest SM walks in one kernel call of `step`, a
-    row step taking every key tile of its row tiles: a CTA's span times its waves, or
-    the persistent grid's items per CTA (a causal step's empty items counted)."""
+def _busiest_sm_items(step: EstimatePlan, causal: bool) -> int:
+    """The key tiles (work items) the busiest SM walks in all the row steps of one head
+    (`step`: one of them, taking every key tile of its row tiles): per step, a listed
+    persistent grid's real items spread over its CTAs (`items_table`), or a persistent
+    grid's items per CTA (a non-causal step's, all real), or a CTA's span times its
+    waves."""
+    if step.listed(causal):
+        return sum(cdiv(int(items) * step.pairs, step.persistent_ctas)
+                   for items in items_table(step)[:, 0])
+    steps = len(step_first_rows(step))
     if step.persistent_ctas:
-        return cdiv(step.step_ctas(step.rows_per_call), step.persistent_ctas)
-    return cdiv(step.ctas(causal), device_sms()) * step.key_span
+        return steps * cdiv(step.step_ctas(step.rows_per_call), step.persistent_ctas)
+    return steps * cdiv(step.ctas(causal), device_sms()) * step.key_span
 
 
 def _head_step(plan: EstimatePlan, causal: bool, heads: int, default_groups: bool,

@@ -117,12 +117,12 @@ past a row tile's diagonal.
 Persistent grid (`plan.persistent_ctas` = G, streamed queries, unpaired, one key
 group): G CTAs, CTA c walking work items c, c + G, ... of `estimate_plan.work_items`,
 each the (batch, head, row tile, key tile) its index names, or nothing where no row of
-the row tile sees the key tile. In a causal call of whole rows (`EstimatePlan.listed`)
-the CTAs walk only the items whose row tile sees their key tile, read from the items
-operand (`estimate_plan.listed_items`, one pair's, the same for every pair), so that
-each CTA walks as many (one more at most). As with paired row tiles, the CTA's step
-count goes on across its items, and consumer 1 waits for its lead at the CTA's first
-walked tile.
+the row tile sees the key tile. In a causal call (`EstimatePlan.listed`) the CTAs walk
+only the items whose row tile sees their key tile, read from the items operand (the
+call's row step's row of `estimate_plan.items_table`: their number, then one pair's
+items, the same for every pair), so that each CTA walks as many (one more at most). As
+with paired row tiles, the CTA's step count goes on across its items, and consumer 1
+waits for its lead at the CTA's first walked tile.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan, paired_row_tiles, seen_columns,
-                                            folded_place, listed_items, tail_tile,
+                                            folded_place, items_table, tail_tile,
                                             unmasked_tiles, visible_tiles, walked_cells,
                                             work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
@@ -193,7 +193,8 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref, item
     walked in all. `first_row`: the call's first row; `cols`: the key columns in use;
     `cells_ref`: with a compacted grid (`EstimatePlan.compacted`), the int32 cells of
     `estimate_plan.walked_cells`, else None; `items_ref`: with a listed persistent grid
-    (`EstimatePlan.listed`), the int32 items of `estimate_plan.listed_items`, else None.
+    (`EstimatePlan.listed`), the int32 row of `estimate_plan.items_table` of the call's
+    row step (the number of items, then the items), else None.
 
     - Persistent (`plan.persistent_ctas` = G): the call's work items (`work_items`; or
       those listed) c, c + G, c + 2G, ... for CTA c, each one key tile (n = 1) or none
@@ -243,21 +244,21 @@ def _cta_work(plan: EstimatePlan, causal: bool, first_row, cols, cells_ref, item
 def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, items_ref, walk):
     """The persistent CTA's units (`_cta_work`): work item c + G j, j = 0, 1, ..., of
     `work_items`, or with `items_ref` (`EstimatePlan.listed`) of the call's listed items
-    (each pair's `listed_items` in turn), as (batch, head, row0, tile, 0 or 1,
+    (each pair's, `listed_items`, in turn), as (batch, head, row0, tile, 0 or 1,
     walked)."""
     cta = lax.axis_index(PERSISTENT_AXIS)
     ctas, block = plan.persistent_ctas, plan.row_block_tiles
     items, tiles = work_items(plan, cols)
     if items_ref is not None:  # the listed items of each pair, at the pair's items
-        per_pair = len(listed_items(plan))
+        per_pair = items_ref[0]  # the items follow
         pair_items = tiles * (plan.row_blocks * block)
         items = plan.pairs * per_pair
 
     def one(j, walked):
         i = cta + j * ctas
         if items_ref is not None:
-            pair = lax.div(i, jnp.int32(per_pair))
-            i = pair * pair_items + items_ref[lax.rem(i, jnp.int32(per_pair))]
+            pair = lax.div(i, per_pair)
+            i = pair * pair_items + items_ref[1 + lax.rem(i, per_pair)]
         row_in_block, i = lax.rem(i, jnp.int32(block)), lax.div(i, jnp.int32(block))
         tile, i = lax.rem(i, tiles), lax.div(i, tiles)
         row_block, i = lax.rem(i, jnp.int32(plan.row_blocks)), lax.div(
@@ -306,7 +307,8 @@ def _kernel_body(q_ref, k_ref, *refs, plan: EstimatePlan, causal: bool, scale: f
     cache viewed as [num_pages, page_size / S, S, Hkv, D], then the block table int32
     [B, pages_per_seq]), with `keys_in_use` the tail tile [B, Hkv, block_k, S, D], with
     a compacted grid its cells int32 [grid_rows] (`estimate_plan.walked_cells`), with
-    a listed persistent grid its items int32 [n] (`estimate_plan.listed_items`), the
+    a listed persistent grid its items int32 [1 + n] (a row of `estimate_plan.
+    items_table`), the
     scalars int32 [3] (the keys in use, whole stride groups; the call's first reshaped
     query row / COLUMN_TILE; its first query head), stats float32 `plan.stats_shape`;
     scratch as `_scratch_types` makes it (q_ready None with the streamed queries, lead
@@ -606,7 +608,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
 
 def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
                tail: jax.Array | None, scalars: jax.Array, *, plan: EstimatePlan,
-               causal: bool, scale: float) -> jax.Array:
+               causal: bool, scale: float, step: jax.Array | int = 0) -> jax.Array:
     """Runs the kernel: q `[B, Hq, padded_rows, S, D]`, k `[B, Hkv, padded_cols, S, D]`
     (bfloat16 or float16, zero-padded) or, with `plan.page_size`, a paged cache viewed as
     `[num_pages, page_size / S, S, Hkv, D]` read through `table` (int32 `[B,
@@ -616,7 +618,9 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
     step; 0 for all heads); tail: None (scalars[0] is then k_cols x S, and the kernel
     takes it as a constant) or the key tile holding the last key in use, `[B, Hkv,
     block_k, S, D]` in k's dtype, with every key past the count zero (read instead of
-    k's tile); scale = log2(e) / (sqrt(D) S norm). Returns float32 `plan.stats_shape`:
+    k's tile); scale = log2(e) / (sqrt(D) S norm); step: the call's row step (an index
+    of `estimate_plan.step_first_rows`, int32, maybe traced; 0 for a call of whole
+    rows), whose listed items a listed grid walks. Returns float32 `plan.stats_shape`:
     `[B, heads, key_tiles, stat_planes, rows_per_call]`, or with `plan.fold` the folded
     statistics (`estimate_plan.folded_place`); entries of tiles no row of a row tile
     sees (`estimate_plan.visible_tiles`) are not written."""
@@ -625,8 +629,7 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
                              keys_in_use=tail is not None)
     cells = ((jnp.asarray(walked_cells(plan), jnp.int32),) if plan.compacted(causal)
              else ())
-    listed = ((jnp.asarray(listed_items(plan), jnp.int32),) if plan.listed(causal)
-              else ())
+    listed = ((jnp.asarray(items_table(plan))[step],) if plan.listed(causal) else ())
     operands = ((q, k) + ((table,) if plan.page_size else ())
                 + ((tail,) if tail is not None else ()) + cells + listed + (scalars,))
     grid = _grid(plan, causal)
