@@ -751,10 +751,14 @@ def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
     block, tiles = plan.row_block_tiles, plan.key_tiles
     table = estimate_plan.items_table(plan)
     first_rows = estimate_plan.step_first_rows(plan)
-    assert len(first_rows) == table.shape[0] == (
-        -(-geom.q_blocks * geom.block_rows // call_rows) if call_rows else 1)
-    assert first_rows[-1] + plan.rows_per_call == (
-        geom.q_blocks * geom.block_rows if call_rows else 0 + plan.rows_per_call)
+    if call_rows:  # steps of call_rows rows, the last one ending at the last block
+        assert len(first_rows) == table.shape[0] == -(-geom.q_blocks * geom.block_rows
+                                                      // call_rows)
+        assert first_rows[-1] + call_rows == geom.q_blocks * geom.block_rows
+        assert first_rows[:-1] == tuple(range(0, call_rows * (len(first_rows) - 1),
+                                              call_rows))
+    else:
+        assert first_rows == (0,) and table.shape[0] == 1
     for step, first_row in enumerate(first_rows):
         items = estimate_plan.listed_items(plan, step)
         assert list(items) == sorted(set(items))
