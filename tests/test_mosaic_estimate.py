@@ -741,8 +741,8 @@ def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
     of ROW_BLOCK_TILES row tiles (the last block part empty where they do not divide
     the row tiles), and nothing else; in row steps, each step those of its own rows
     (`step_first_rows`, as `row_statistics.in_steps` walks them, the last step moved
-    back to end at the last query block), its row of `items_table` the number of them,
-    the items, then zeros."""
+    back to end at the last query block), its row of `items_table` the number of them
+    (as `listed_counts` counts them), the items, then zeros."""
     monkeypatch.setattr(estimate_plan, "ROW_BLOCK_TILES", block_tiles)
     geom = Geometry(1, 4, 2, q_len, k_len, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, persistent=True,
@@ -759,6 +759,7 @@ def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
                                               call_rows))
     else:
         assert first_rows == (0,) and table.shape[0] == 1
+    assert list(estimate_plan.listed_counts(plan)) == list(table[:, 0])  # not listed
     for step, first_row in enumerate(first_rows):
         items = estimate_plan.listed_items(plan, step)
         assert list(items) == sorted(set(items))
