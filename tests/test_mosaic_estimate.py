@@ -759,7 +759,8 @@ def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
                                               call_rows))
     else:
         assert first_rows == (0,) and table.shape[0] == 1
-    assert list(estimate_plan.listed_counts(plan)) == list(table[:, 0])  # not listed
+    # counted without listing them, as the table's first column
+    assert list(estimate_plan.listed_counts(plan)) == list(table[:, 0])
     for step, first_row in enumerate(first_rows):
         items = estimate_plan.listed_items(plan, step)
         assert list(items) == sorted(set(items))

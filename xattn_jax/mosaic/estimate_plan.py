@@ -633,17 +633,23 @@ def listed_counts(plan: EstimatePlan) -> np.ndarray:
     column), counted without listing them: the key tiles each row tile of the step sees
     (`visible_tiles`), summed. Cheap enough for `_head_rows` to ask of every candidate
     step (causal 4M: 49 steps of 84 row tiles over 2048 key tiles)."""
+    return _steps_seen(plan).sum(axis=1)
+
+
+def _steps_seen(plan: EstimatePlan) -> np.ndarray:
+    """`visible_tiles` of each row tile of each row step of a causal call (numpy `[row
+    steps, call_row_tiles]`, the steps of `step_first_rows`): what `items_table` lists
+    and `listed_counts` counts."""
     first = np.asarray(step_first_rows(plan))[:, None]  # [steps, 1]
-    rows = first + np.arange(plan.call_row_tiles) * plan.rows
-    return visible_tiles(plan, True, rows).sum(axis=1)
+    return visible_tiles(plan, True, first + np.arange(plan.call_row_tiles) * plan.rows)
 
 
 @functools.lru_cache(maxsize=64)
 def _items_table(plan: EstimatePlan, block: int) -> np.ndarray:
-    blocks, tiles, row_tiles = plan.row_blocks, plan.key_tiles, plan.call_row_tiles
-    first = np.asarray(step_first_rows(plan))[:, None]  # [steps, 1]
-    seen = np.zeros((len(first), blocks * block), np.int64)
-    seen[:, :row_tiles] = visible_tiles(plan, True, first + np.arange(row_tiles) * plan.rows)
+    blocks, tiles = plan.row_blocks, plan.key_tiles
+    steps_seen = _steps_seen(plan)  # [steps, call_row_tiles]
+    seen = np.zeros((len(steps_seen), blocks * block), np.int64)
+    seen[:, :plan.call_row_tiles] = steps_seen
     row_tile = (np.arange(blocks)[:, None, None] * block
                 + np.arange(block)[None, None, :])  # [blocks, 1, block]
     tile = np.arange(tiles)[None, :, None]  # [1, tiles, 1]
