@@ -779,6 +779,44 @@ def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
         assert int(traced) == step
 
 
+@pytest.mark.parametrize("q_len, k_len, call_rows, loops", [
+    (1 << 20, 1 << 20, None, None), (6000, 6000, 256, 3), (2560, 8192, 128, 2),
+    (6000, 6000, 256, 1), (4096, 4096, 128, 4)])
+def test_epilogue_loops_read_every_slot_their_rows_see(q_len, k_len, call_rows, loops):
+    """A causal call in row steps runs its epilogues in `epilogue_loops` loops: they
+    take every row step once, in order, as even in number as they split, and each reads
+    the slots of the most key tiles a row tile of its steps sees (`visible_tiles`), no
+    fewer (a row's weights would miss a tile) and no more. Causal 1M by default: 4
+    loops of 32 of its 128 row steps of 1024 rows, reading 128 .. 512 of the 512 slots.
+    A non-causal call, and a bad count, are refused."""
+    geom = Geometry(1, 32, 8, q_len, k_len, 128, 8, 128)
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, call_rows=call_rows,
+                                       epilogue_loops=loops)
+    loops_run = estimate_plan.epilogue_steps(plan, True)
+    first_rows = estimate_plan.step_first_rows(plan)
+    if loops is None:
+        assert (plan.call_rows, plan.epilogue_loops) == (1024, 4)
+        assert [(len(steps), slots) for steps, slots in loops_run] == [
+            (32, 128), (32, 256), (32, 384), (32, 512)]
+    assert len(loops_run) == plan.epilogue_loops
+    assert [n for steps, _ in loops_run for n in steps] == list(range(len(first_rows)))
+    sizes = [len(steps) for steps, _ in loops_run]
+    assert max(sizes) - min(sizes) <= 1
+    for steps, slots in loops_run:
+        seen = [int(estimate_plan.visible_tiles(plan, True, first_rows[n] + tile * plan.rows))
+                for n in steps for tile in range(plan.call_row_tiles)]
+        assert slots == max(seen) <= plan.key_tiles
+    whole = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=False,
+                                        call_rows=call_rows)
+    assert estimate_plan.epilogue_steps(whole, False) == tuple(
+        (steps, whole.key_tiles) for steps, _ in estimate_plan.epilogue_steps(whole, False))
+    assert whole.epilogue_loops == 1
+    for causal, bad in ((False, 2), (True, 0), (True, len(first_rows) + 1)):
+        with pytest.raises(ValueError, match="epilogue_loops must be in"):
+            estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=causal,
+                                        call_rows=plan.call_rows, epilogue_loops=bad)
+
+
 @pytest.mark.parametrize("page_size, queries, block_k", [
     (4096, "streamed", 256), (2048, "streamed", 256), (1024, "streamed", 128),
     (512, "streamed", 64), (1536, "streamed", 192), (1536, "resident", 64),
@@ -1176,8 +1214,9 @@ def _interpreted_equals_reference(q, k, geom, plan, *, causal, key_len, page_siz
 # tail tile's zeros fill it) and inside a key tile, then at a tile's end, and one key (a
 # group of one key and zeros, in the only tile walked); a paged cache of pages of 64 x S
 # tokens (a key tile each) with the keys ending in a page; row steps of 128 rows (3
-# steps over 19 query blocks, the last overlapping the one before) causal and
-# non-causal, and of a cluster of 2 resident row tiles; key groups (3 spans of 2 of 5
+# steps over 19 query blocks, the last overlapping the one before) causal (each step's
+# epilogue its own loop by default, and 2 loops: 1 step, then 2) and non-causal, and of
+# a cluster of 2 resident row tiles; key groups (3 spans of 2 of 5
 # tiles) over the paged cache, and in row steps; head steps: of 3 of 4 heads (GQA 2:1,
 # the second step overlapping the first and starting inside a key head's group) causal
 # and folded, of 1 head over the paged cache with keys in use, of 2 of 3 heads in batch 2;
@@ -1189,6 +1228,8 @@ INTERPRET_KEY_CASES = [
     (1, 2, 1, 128, 512, 64, 2, 32, False, 1, None, {"block_k": 64}),
     (1, 4, 2, 160, 640, 64, 2, 32, False, 411, 128, {}),
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None, {"block_k": 64, "call_rows": 128}),
+    (1, 2, 1, 600, 664, 64, 2, 32, True, None, None,
+     {"block_k": 64, "call_rows": 128, "epilogue_loops": 2}),
     (1, 2, 1, 600, 700, 64, 2, 32, False, None, None, {"block_k": 64, "call_rows": 128}),
     (1, 2, 1, 600, 664, 64, 2, 32, True, None, None,
      {"block_k": 64, "call_rows": 128, "queries": "resident", "cluster": 2}),

@@ -8,6 +8,8 @@ import pytest
 
 import np_reference as npr
 from xattn_jax.geometry import Geometry
+from xattn_jax.triton import select_blocks as triton_select
+from xattn_jax.triton.plan import narrowest_width, plan_select_blocks
 
 # (id, shape [B, Hq, qb, kb], causal, keep_sink, keep_recent)
 CONFIGS = [
@@ -19,7 +21,11 @@ CONFIGS = [
     ("noncausal_many_rows", (1, 2, 100, 128), False, False, False),
     ("causal_wide", (1, 2, 40, 200), True, False, False),
     ("single_block", (1, 2, 1, 1), True, False, False),
+    # causal rows of two padded widths, each its own kernel call (256 and 512 blocks)
+    ("causal_widths", (1, 2, 300, 300), True, False, False),
+    ("causal_widths_rect", (1, 2, 150, 300), True, True, True),
 ]
+CAUSAL_WIDTHS = CONFIGS[-2]
 CAUSAL_RECT, NONCAUSAL = CONFIGS[1], CONFIGS[2]
 
 
@@ -218,3 +224,79 @@ def test_all_zero_row_keeps_forced_only(impl, config, rand):
     # forced mass, checked exactly above)
     npr.assert_masks_agree(mask, npr.select(sums, 0.9, **rules), sums, 0.9,
                            msg=f"{impl} {rand}", **rules)
+
+
+@pytest.mark.parametrize("config", [CAUSAL_WIDTHS, CAUSAL_RECT], ids=["widths", "rect"])
+def test_causal_total_counts_every_block(impl, config, rand):
+    """The row total is over every block of the row, those past the diagonal included
+    (which real causal block sums leave at 0): a row whose narrower kernel call holds
+    only its allowed blocks still counts the rest, and a NaN past its diagonal makes it
+    non-finite (every allowed block kept)."""
+    shape, rules = config[1], _rules(config)
+    sums = np.array(rand.block_sums(shape), np.float32)  # mass past the diagonal too
+    sums[0, 1, 3, -1] = np.nan
+    t = rand.thresholds(shape[1], 0.3, 0.9)
+    mask = impl.select(sums, t, **rules)
+    msg = f"{impl} {config[0]} {rand}"
+    _, allowed = npr.forced_allowed(*shape[2:], **rules)
+    assert np.array_equal(mask[0, 1, 3], allowed[3]), msg
+    npr.assert_masks_agree(mask, npr.select(sums, t, **rules), sums, t, msg=msg, **rules)
+
+
+@pytest.mark.parametrize("shape, causal, widths", [
+    ((1, 32, 8192, 8192), True, None), ((1, 2, 300, 300), True, None),
+    ((1, 2, 150, 300), True, 2), ((1, 2, 37, 45), True, 5), ((2, 2, 7, 7), True, 1),
+    ((1, 32, 8192, 8192), False, None)])
+def test_select_plan_calls_hold_each_row_up_to_its_diagonal(shape, causal, widths):
+    """The selection's kernel calls take the row tiles in order, each once; a causal row
+    tile runs at the narrowest power of two, down to `narrowest_width` (or W / 2^(widths
+    - 1) where given), that holds its rows' allowed blocks (up to the diagonal i + kb -
+    qb); a non-causal call is one call at W (kb padded to a power of two). Causal 1M at
+    block 128 (8192 x 8192 blocks): 2048 rows at 2048 blocks, 2048 at 4096, 4096 at
+    8192."""
+    plan = plan_select_blocks(shape, causal=causal, interpret=True, widths=widths)
+    qb, kb = shape[2:]
+    narrowest = (narrowest_width(plan.width) if widths is None
+                 else max(1, plan.width >> (widths - 1)))
+    assert plan.width == 1 << (kb - 1).bit_length() and plan.row_tiles * plan.rows >= qb
+    tiles = [t for call in plan.calls for t in range(call.first_tile,
+                                                     call.first_tile + call.tiles)]
+    assert tiles == list(range(plan.row_tiles))
+    if not causal:
+        assert [c.width for c in plan.calls] == [plan.width]
+    for call in plan.calls:
+        assert call.width & (call.width - 1) == 0 and call.width <= plan.width
+        needs = [min(kb, min((t + 1) * plan.rows, qb) + kb - qb)
+                 for t in range(call.first_tile, call.first_tile + call.tiles)]
+        assert max(needs) <= call.width  # every allowed block held
+        if causal:  # and no narrower width would do
+            assert call.width == narrowest or max(needs) > call.width // 2
+    if shape == (1, 32, 8192, 8192) and causal:
+        assert [(c.tiles, c.width) for c in plan.calls] == [(2048, 2048), (2048, 4096),
+                                                             (4096, 8192)]
+    with pytest.raises(ValueError, match="widths must be at least 1"):
+        plan_select_blocks(shape, causal=causal, interpret=True, widths=0)
+
+
+@pytest.mark.parametrize("widths", [1, 2, 3, 4])
+def test_kernel_calls_of_any_widths_select_the_same(impl, widths, rand):
+    """The Triton kernel in 1 to 4 calls by width (rows of 300 x 300 causal blocks at 512
+    down to 64 blocks: the columns past a call's width summed into the total in up to 3
+    pieces): on causal sums (zero past the diagonal) the rules on every row, and with
+    mass past the diagonal too, the float64 loop's mask but where rounding decides."""
+    if impl.api != "triton":
+        pytest.skip("the Triton kernel's calls")
+    shape, rules = CAUSAL_WIDTHS[1], _rules(CAUSAL_WIDTHS)
+    plan = plan_select_blocks(shape, causal=True, interpret=impl.interpret,
+                              widths=widths)
+    assert len(plan.calls) == widths
+    t = rand.thresholds(shape[1])
+    everywhere = np.array(rand.block_sums(shape), np.float32)
+    for sums in (_causal_zeros(everywhere, True), everywhere):
+        mask = np.asarray(triton_select.select_blocks(sums, t, plan=plan, **rules))
+        msg = f"{impl} widths {widths} {rand}"
+        if sums is not everywhere:
+            assert npr.check_mask_rules(mask, sums, t, msg=msg, **rules) == np.prod(
+                shape[:3])
+        npr.assert_masks_agree(mask, npr.select(sums, t, **rules), sums, t, msg=msg,
+                               **rules)

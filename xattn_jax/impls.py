@@ -106,7 +106,7 @@ class Implementation:
         rules = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
         if self.name == "reference" or sums.shape[-1] > TRITON_MAX_KEY_BLOCKS:
             return reference.select_blocks(sums, threshold, **rules)
-        plan = plan_select_blocks(sums.shape, interpret=self.interpret)
+        plan = plan_select_blocks(sums.shape, causal=causal, interpret=self.interpret)
         return triton_select.select_blocks(sums, threshold, plan=plan, **rules)
 
 

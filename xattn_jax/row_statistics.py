@@ -122,22 +122,29 @@ def step_start(step, q_blocks: int, blocks: int):
     return jnp.minimum(step * blocks, q_blocks - blocks)
 
 
-def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of) -> jax.Array:
+def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of,
+             steps: range | None = None, out: jax.Array | None = None) -> jax.Array:
     """The block sums `[B, Hq, qb, kb]` of a call made of several kernel calls, one after
     another: `heads` query heads and `blocks` query blocks each, block_sums_of(first_head,
     first_row, blocks) giving `[B, heads, blocks, kb]` (first_row in reshaped rows; both
     traced int32). Each writes its part of the result in place; the last head group and
     the last row step of each start early enough to end at the last head and block
     (recomputing, identically, a few the one before wrote), so nothing is padded or
-    copied."""
-    row_steps = cdiv(geom.q_blocks, blocks)
+    copied. steps: the row steps walked (default all ceil(qb / blocks), `step_start`
+    numbers them), of every head group; out: the result the earlier steps wrote (default
+    zeros), so that a caller may walk the steps in several loops, each with its own
+    block_sums_of."""
+    steps = range(cdiv(geom.q_blocks, blocks)) if steps is None else steps
 
     def one_call(i, out):
         # lax.div/rem: i >= 0
-        head = jnp.minimum(jax.lax.div(i, row_steps) * heads, geom.q_heads - heads)
-        start = step_start(jax.lax.rem(i, row_steps), geom.q_blocks, blocks)
+        head = jnp.minimum(jax.lax.div(i, len(steps)) * heads, geom.q_heads - heads)
+        step = steps.start + jax.lax.rem(i, len(steps))
+        start = step_start(step, geom.q_blocks, blocks)
         part = block_sums_of(head, start * geom.block_rows, blocks)
         return jax.lax.dynamic_update_slice(out, part, (0, head, start, 0))
 
-    out = jnp.zeros((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks), jnp.float32)
-    return jax.lax.fori_loop(0, cdiv(geom.q_heads, heads) * row_steps, one_call, out)
+    if out is None:
+        out = jnp.zeros((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks),
+                        jnp.float32)
+    return jax.lax.fori_loop(0, cdiv(geom.q_heads, heads) * len(steps), one_call, out)

@@ -13,7 +13,8 @@ zero (`_tail_tile`), so that a count ending inside a stride group needs nothing 
 the kernel (section 1: the partly filled group reads zeros); a call whose statistics
 exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`), in
 head steps over all rows (`EstimatePlan.call_heads`), or in row steps of one head (both;
-`row_statistics.in_steps`).
+`row_statistics.in_steps`), a causal call's row steps in loops whose epilogues read only
+the key tiles their rows see (`EstimatePlan.epilogue_loops`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, row_step,
-                                            row_tiles_seen, tail_tile, visible_tiles)
+from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, epilogue_steps,
+                                            row_step, row_tiles_seen, tail_tile,
+                                            visible_tiles)
 from xattn_jax.row_statistics import (LOG2_E, blocks_of_units, combine, fit, in_steps,
                                      row_counts, row_weights)
 
@@ -40,11 +42,12 @@ def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
 
 def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool, first_row, cols):
     """The kernel's statistics `[B, Hq, T, planes, R]` of rows first_row .. first_row + R
-    as `combine` takes them: maxima and totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R,
-    P]`; tiles a row tile does not see (`cols`: the key columns in use) become empty
-    (-inf, 0), whatever their memory holds."""
+    (T: the first key tiles, at least those the rows see) as `combine` takes them:
+    maxima and totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R, P]`; tiles a row tile
+    does not see (`cols`: the key columns in use) become empty (-inf, 0), whatever their
+    memory holds."""
     row0 = first_row + jnp.arange(stats.shape[-1], dtype=jnp.int32) // plan.rows * plan.rows
-    seen = (jnp.arange(plan.key_tiles)[:, None]
+    seen = (jnp.arange(stats.shape[2])[:, None]
             < visible_tiles(plan, causal, row0, cols)[None, :])
     maxes, sums, totals = _split_planes(stats, plan.units_per_tile)
     return (jnp.where(seen, maxes, -jnp.inf), jnp.where(seen[..., None], sums, 0.0),
@@ -175,9 +178,10 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
     kernel_keys = jnp.asarray(cols * geom.stride, jnp.int32).reshape(1)
     scale = geom.scale / norm * LOG2_E
 
-    def block_sums_of(first_head, first_row, q_blocks):
+    def block_sums_of(first_head, first_row, q_blocks, slots=plan.key_tiles):
         """`[B, plan.heads, q_blocks, kb]` of the heads from first_head and the rows from
-        first_row."""
+        first_row, whose epilogue reads the statistics of the first `slots` key tiles
+        (no row of the step sees a later one)."""
         first = jnp.asarray(first_row, jnp.int32)[None] // COLUMN_TILE  # tile_stats' unit
         scalars = jnp.concatenate([kernel_keys, first,
                                    jnp.asarray(first_head, jnp.int32)[None]])
@@ -186,10 +190,14 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
                                       step=row_step(plan, first_row))
         if plan.fold:  # a whole causal call: all rows, all keys
             return _folded_block_sums(stats, plan, sees_keys)
-        maxes, sums, totals = _planes(stats, plan, causal, first_row, cols)
+        maxes, sums, totals = _planes(stats[:, :, :slots], plan, causal, first_row, cols)
         return combine(maxes, sums, totals, geom, plan.unit, first_row, q_blocks, sees_keys)
 
     if not plan.call_rows and not plan.call_heads:
         return block_sums_of(0, 0, geom.q_blocks)
     row_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks
-    return in_steps(geom, plan.heads, row_blocks, block_sums_of)
+    out = None
+    for steps, slots in epilogue_steps(plan, causal):
+        out = in_steps(geom, plan.heads, row_blocks,
+                       functools.partial(block_sums_of, slots=slots), steps, out)
+    return out

@@ -182,6 +182,14 @@ STAT_BYTES = 4  # float32 statistics
 # A larger call runs in row steps over all heads (`EstimatePlan.call_rows`), each within
 # it (a caller's max_scratch_bytes replaces it).
 MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
+# A causal call in row steps runs its steps' epilogues in this many loops of consecutive
+# steps (`EstimatePlan.epilogue_loops`), each reading only the key-tile slots its rows
+# see instead of all of them (the kernel writes only those): n loops read about (1 +
+# 1/n) / 2 of the slots. H200, causal 1M (128 row steps of 1024 rows, 1.12 GiB of
+# statistics each), block sums, medians of 3 rotating rounds, 1 / 2 / 4 / 8 / 16 loops
+# (session 29): 994.11 / 978.74 / 972.42 / 969.93 / 968.42 ms, the build 13-17 s in
+# every case (the kernel is lowered once, `tile_stats` being jitted).
+EPILOGUE_LOOPS = 16
 # SMs of an H100 SXM / H200: the SM count where the default device does not say its own
 # (`device_sms`), which sizes row steps' waves, key groups and the persistent grid
 HOPPER_SMS = 132
@@ -269,7 +277,10 @@ class EstimatePlan(UnitSums):
     key_tiles, stat_planes, rows_per_call]` (H = `heads`); call_heads: the query heads
     one kernel call covers, 0 for all, else the call runs in head steps: of whole heads'
     rows with call_rows 0 (`_call_heads` sizes them), or of call_rows rows of each head
-    (`_head_rows` sizes them, one head a step, where no other step fits).
+    (`_head_rows` sizes them, one head a step, where no other step fits);
+    epilogue_loops (causal calls in row steps): the row steps' epilogues run in this many
+    loops of consecutive steps, each reading only the key-tile slots its rows see
+    (`epilogue_steps`), else 1.
     """
 
     geom: Geometry
@@ -291,6 +302,7 @@ class EstimatePlan(UnitSums):
     step_loop: int = 0
     fold: bool = False
     call_heads: int = 0
+    epilogue_loops: int = 1
 
     @property
     def masked_widths(self) -> tuple[int, ...]:
@@ -644,6 +656,21 @@ def _steps_seen(plan: EstimatePlan) -> np.ndarray:
     return visible_tiles(plan, True, first + np.arange(plan.call_row_tiles) * plan.rows)
 
 
+def epilogue_steps(plan: EstimatePlan, causal: bool) -> tuple[tuple[range, int], ...]:
+    """The loops a call in row steps runs its epilogues in (`EstimatePlan.
+    epilogue_loops`): for each, its row steps (consecutive indices of `step_first_rows`,
+    as even in number as they split) and the key-tile slots of the statistics its
+    epilogue reads: the most key tiles a row of those steps sees (`visible_tiles`), all
+    of them in a non-causal call. A call of whole rows: one loop of its one step."""
+    steps, n = len(step_first_rows(plan)), plan.epilogue_loops
+    bounds = [steps * i // n for i in range(n + 1)]
+    loops = [range(start, stop) for start, stop in zip(bounds, bounds[1:])]
+    if not causal:
+        return tuple((loop, plan.key_tiles) for loop in loops)
+    seen = _steps_seen(plan).max(axis=1)  # [steps]
+    return tuple((loop, int(seen[loop.start:loop.stop].max())) for loop in loops)
+
+
 @functools.lru_cache(maxsize=64)
 def _items_table(plan: EstimatePlan, block: int) -> np.ndarray:
     blocks, tiles = plan.row_blocks, plan.key_tiles
@@ -745,7 +772,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   trim_columns: int | None = None,
                   step_loop: int | None = None,
                   fold: bool | None = None,
-                  call_heads: int | None = None) -> EstimatePlan:
+                  call_heads: int | None = None,
+                  epilogue_loops: int | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
@@ -768,7 +796,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     multiple of COLUMN_TILE) and step_loop (0, or with the streamed queries a divisor of
     a key tile's steps less one) and fold (causal calls of one kernel call, cluster 1)
     and call_heads (the query heads of a head step, at most Hq, of every row with
-    call_rows 0 or None, else of call_rows rows; or 0) override the defaults (tuning
+    call_rows 0 or None, else of call_rows rows; or 0) and epilogue_loops (at most the
+    row steps of a causal call, else 1) override the defaults (tuning
     runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest multiple
     of 64 up to it that divides a page's columns), STAGGER with the streamed queries,
     PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
@@ -779,7 +808,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     tile's steps, `default_trim_columns`, `default_step_loop`, and folded statistics in
     causal calls of one kernel call and cluster 1 where they take less memory
     (`_fold_saves`; a call whose folded statistics fit within the bound runs as one
-    kernel call).
+    kernel call), `default_epilogue_loops`.
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -930,11 +959,18 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         if default_loop:
             plan = dataclasses.replace(plan, step_loop=default_step_loop(plan, causal))
     if plan.persistent_ctas:
-        return dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan, causal))
-    if (key_groups is None and cluster == 1 and not pair_rows
+        plan = dataclasses.replace(plan, persistent_ctas=_persistent_ctas(plan, causal))
+    elif (key_groups is None and cluster == 1 and not pair_rows
             and (not call_rows or plan.call_heads)):
-        return dataclasses.replace(plan, key_groups=_key_groups(plan))
-    return plan
+        plan = dataclasses.replace(plan, key_groups=_key_groups(plan))
+    steps = len(step_first_rows(plan))
+    if epilogue_loops is None:
+        epilogue_loops = default_epilogue_loops(plan, causal)
+    if not 1 <= epilogue_loops <= (steps if causal else 1):
+        raise ValueError(f"epilogue_loops must be in [1, {steps if causal else 1}] (at most "
+                         f"the row steps of a causal call; 1 in a non-causal one, whose "
+                         f"rows all see every key tile); got {epilogue_loops}")
+    return dataclasses.replace(plan, epilogue_loops=epilogue_loops)
 
 
 def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
@@ -1230,6 +1266,11 @@ def default_step_loop(plan: EstimatePlan, causal: bool) -> int:
     if not causal or plan.queries != "streamed" or plan.key_groups < 2 or steps < 2:
         return 0
     return max(n for n in range(1, CAUSAL_STEP_LOOP + 1) if (steps - 1) % n == 0)
+
+
+def default_epilogue_loops(plan: EstimatePlan, causal: bool) -> int:
+    """EPILOGUE_LOOPS for a causal call in row steps (at most one a step), else 1."""
+    return min(EPILOGUE_LOOPS, len(step_first_rows(plan))) if causal else 1
 
 
 def default_stagger(queries: str) -> bool:

@@ -606,6 +606,7 @@ def _scratch_types(plan: EstimatePlan, dtype) -> tuple:
     )
 
 
+@functools.partial(jax.jit, static_argnames=("plan", "causal", "scale"))
 def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
                tail: jax.Array | None, scalars: jax.Array, *, plan: EstimatePlan,
                causal: bool, scale: float, step: jax.Array | int = 0) -> jax.Array:
@@ -623,7 +624,8 @@ def tile_stats(q: jax.Array, k: jax.Array, table: jax.Array | None,
     rows), whose listed items a listed grid walks. Returns float32 `plan.stats_shape`:
     `[B, heads, key_tiles, stat_planes, rows_per_call]`, or with `plan.fold` the folded
     statistics (`estimate_plan.folded_place`); entries of tiles no row of a row tile
-    sees (`estimate_plan.visible_tiles`) are not written."""
+    sees (`estimate_plan.visible_tiles`) are not written. Jitted, so that a call running
+    the kernel in several loops (`EstimatePlan.epilogue_loops`) lowers it once."""
     out_type = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
     body = functools.partial(_kernel_body, plan=plan, causal=causal, scale=scale,
                              keys_in_use=tail is not None)

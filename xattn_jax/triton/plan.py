@@ -10,6 +10,7 @@ with `python -m bench.tune`; bench/results/tuning.md has the tables, cited per v
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax.numpy as jnp
@@ -17,8 +18,7 @@ import jax.numpy as jnp
 from xattn_jax.geometry import Geometry, cdiv, next_pow2
 from xattn_jax.row_statistics import UnitSums
 
-ONE_PASS, TWO_PASS, STRIDED_SCORES, SELECT_BLOCKS = ("one_pass", "two_pass", "strided_scores",
-                                                     "select_blocks")
+ONE_PASS, TWO_PASS, STRIDED_SCORES = "one_pass", "two_pass", "strided_scores"
 BLOCK_SUM_KERNELS = (ONE_PASS, TWO_PASS)
 MIN_SIDE = 16  # Triton's smallest dot operand side
 
@@ -72,6 +72,18 @@ SCRATCH_PER_RESULT = 16
 # 33: 5-11% faster than the earlier 4096 elements with 4 or 8 warps at widths 512-2048,
 # within the spread at 256); wider rows, not measured, keep those.
 SELECT_PROGRAMS = ((512, 1024, 2), (2048, 2048, 4), (None, 4096, 8))
+# A causal selection's row tiles run in up to SELECT_WIDTHS kernel calls, by the padded
+# width their rows' allowed blocks need (`plan_select_blocks`): W, W / 2, .. (W: kb
+# padded to a power of two), none narrower than min(W / 2, SELECT_MIN_WIDTH); the
+# narrower calls search fewer blocks in each of their 31 steps (at Lq = Lk, 3/4 of them
+# in 2 widths, 11/16 in 3). H200, the selection alone on causal [1, 32, qb, qb], medians
+# of 5 rotating rounds, 1 / 2 / 3 / 4 widths (session 29): qb 256 0.0383 / 0.0350 /
+# 0.0371 / 0.0396 ms, 512 0.0780 / 0.0674 / 0.0727 / 0.0732, 1024 0.2949 / 0.2334 /
+# 0.2409 / 0.2458, 2048 1.2011 / 0.9639 / 0.9356 / 0.9453, 8192 (causal 1M) 21.507 /
+# 16.793 / 15.568 / 15.569: calls narrower than 512 blocks lose more to their launch
+# than their rows save.
+SELECT_WIDTHS = 3
+SELECT_MIN_WIDTH = 512
 SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned block_q)
 
 
@@ -79,9 +91,9 @@ SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned
 class Plan(UnitSums):
     """What one Triton-backend kernel call runs. Hashable: a static jit argument.
 
-    kernel: ONE_PASS, TWO_PASS, STRIDED_SCORES or SELECT_BLOCKS. block_q x block_k: the
-    tile (reshaped query rows x key columns; for SELECT_BLOCKS query blocks x key blocks
-    padded to a power of two); block_d: head-dim columns per pipeline step. span: key
+    kernel: ONE_PASS, TWO_PASS or STRIDED_SCORES (the selection's plan is a
+    `SelectPlan`). block_q x block_k: the tile (reshaped query rows x key columns);
+    block_d: head-dim columns per pipeline step. span: key
     tiles per program. call_heads / call_rows: the query heads and reshaped query rows one
     kernel call covers (ONE_PASS; calls run one after another, reusing the scratch);
     scratch_bytes: one call's scratch. interpret: Pallas interpret mode (off a GPU).
@@ -261,16 +273,74 @@ def plan_strided_scores(geom: Geometry, dtype, *, interpret: bool,
                 num_stages=2, interpret=interpret)
 
 
-def plan_select_blocks(shape: tuple[int, int, int, int], *, interpret: bool) -> Plan:
-    """The plan of one selection call over block sums of `shape` `[B, Hq, qb, kb]`: block_q
-    query-block rows per program (the elements of its width's SELECT_PROGRAMS row over
-    the padded width, at most qb padded to a power of two), each row's kb key blocks held
-    in block_k, a power of two. Its geometry counts in blocks (a block is one "token" of
-    stride 1)."""
+@dataclasses.dataclass(frozen=True)
+class SelectCall:
+    """One kernel call of a selection: row tiles first_tile .. first_tile + tiles - 1,
+    each row holding its first `width` key blocks (a power of two, at least those up to
+    its causal diagonal) on num_warps warps."""
+
+    first_tile: int
+    tiles: int
+    width: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectPlan:
+    """The selection over block sums `[B, Hq, qb, kb]` (`select_blocks`). Hashable: a
+    static jit argument. Programs of `rows` query-block rows write one bool mask `[B,
+    Hq, row tiles x rows, width]` (width: kb padded to a power of two; cut to `[qb, kb]`
+    after), in `calls` covering the row tiles in order; interpret: Pallas interpret mode
+    (off a GPU)."""
+
+    shape: tuple[int, int, int, int]
+    rows: int
+    width: int
+    calls: tuple[SelectCall, ...]
+    interpret: bool = False
+
+    @property
+    def row_tiles(self) -> int:
+        """Programs of `rows` rows covering the qb query blocks."""
+        return cdiv(self.shape[2], self.rows)
+
+
+def _select_program(width: int) -> tuple[int, int]:
+    """(elements, warps) of a selection program whose rows hold `width` key blocks
+    (`SELECT_PROGRAMS`)."""
+    return next((e, w) for up_to, e, w in SELECT_PROGRAMS if up_to is None or width <= up_to)
+
+
+def narrowest_width(width: int) -> int:
+    """The narrowest kernel call of a causal selection whose rows pad to `width` blocks:
+    width / 2^(SELECT_WIDTHS - 1), but none below min(width / 2, SELECT_MIN_WIDTH)."""
+    return max(1, width >> (SELECT_WIDTHS - 1), min(width // 2, SELECT_MIN_WIDTH))
+
+
+def plan_select_blocks(shape: tuple[int, int, int, int], *, causal: bool, interpret: bool,
+                       widths: int | None = None) -> SelectPlan:
+    """The plan of the selection over block sums of `shape` `[B, Hq, qb, kb]`: rows per
+    program the elements of the padded width's SELECT_PROGRAMS row over that width (at
+    most qb padded to a power of two); one call at the padded width W, or causal (section
+    4: row i's allowed blocks end at its diagonal, i + kb - qb) each row tile at the
+    narrowest width holding the allowed blocks of its last row, with that width's warps:
+    of W, W / 2, .. down to `narrowest_width` (given `widths`, W / 2^(widths - 1): a
+    tuning run's)."""
     b, hq, qb, kb = shape
+    if widths is not None and widths < 1:
+        raise ValueError(f"widths must be at least 1; got {widths}")
     width = next_pow2(kb)
-    elements, warps = next((e, w) for up_to, e, w in SELECT_PROGRAMS
-                           if up_to is None or width <= up_to)
-    return Plan(Geometry(b, hq, hq, qb, kb, 1, 1, 1), SELECT_BLOCKS,
-                min(max(1, elements // width), next_pow2(qb)), width, 0,
-                num_warps=warps, num_stages=1, interpret=interpret)
+    rows = min(max(1, _select_program(width)[0] // width), next_pow2(qb))
+    if not causal:
+        narrowest = width
+    else:
+        narrowest = (narrowest_width(width) if widths is None
+                     else max(1, width >> (widths - 1)))
+    calls, first = [], 0
+    for tile_width, tiles in itertools.groupby(
+            max(next_pow2(min(kb, max(1, min((tile + 1) * rows, qb) + kb - qb))), narrowest)
+            for tile in range(cdiv(qb, rows))):  # blocks up to the last row's diagonal
+        count = sum(1 for _ in tiles)
+        calls.append(SelectCall(first, count, tile_width, _select_program(tile_width)[1]))
+        first += count
+    return SelectPlan(tuple(shape), rows, width, tuple(calls), interpret)

@@ -17,7 +17,10 @@ are read in place, by indices clamped into `[qb, kb]` under a mask (padding read
 zero), with no padded copy of the float32 input; the bool mask is written unmasked into
 an output padded to whole tiles, cut to `[qb, kb]` after (no copy where nothing is
 padded; an int8 output and a conversion pass measured 11-41 µs slower on the H200,
-bench/results/tuning.md note 33).
+bench/results/tuning.md note 33). A causal selection runs in several kernel calls
+(`plan.SelectPlan`): a row tile's search holds only the narrowest power of two of its
+row's blocks that includes its diagonal, summing the later ones into the row total
+only, and each call writes its row tiles into the same mask in place.
 """
 
 from __future__ import annotations
@@ -30,21 +33,38 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.partitioning import kernel_output
-from xattn_jax.triton.plan import Plan
+from xattn_jax.triton.plan import SelectPlan
 
 _FLOAT_BITS = 31  # bisection steps: non-negative float32 bit patterns are < 2**31
 
 
-def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks: int,
-                   rows: int, width: int, causal: bool, keep_sink: bool, keep_recent: bool):
+def _select_kernel(sums_ref, threshold_ref, *refs, q_blocks: int, k_blocks: int,
+                   rows: int, width: int, out_width: int, first_tile: int, causal: bool,
+                   keep_sink: bool, keep_recent: bool):
+    mask_ref = refs[-1]  # after the mask of the calls before, aliased to it (never read)
     h = pl.program_id(1)
-    blocks = jnp.arange(width)
-    row_ids = pl.program_id(2) * rows + jnp.arange(rows)
-    real = (row_ids < q_blocks)[:, None] & (blocks < k_blocks)[None, :]
-    inside = (jnp.minimum(row_ids, q_blocks - 1)[:, None],
-              jnp.minimum(blocks, k_blocks - 1)[None, :])
-    sums = plgpu.load(sums_ref.at[inside], mask=real, other=0.0)
+    row_ids = (first_tile + pl.program_id(2)) * rows + jnp.arange(rows)
+    clamped_rows = jnp.minimum(row_ids, q_blocks - 1)[:, None]
 
+    def load(first, size):
+        """Block sums of the program's rows in columns first .. first + size (`[rows,
+        size]`), and where they are real: padding reads as zero."""
+        blocks = first + jnp.arange(size)
+        real = (row_ids < q_blocks)[:, None] & (blocks < k_blocks)[None, :]
+        inside = (clamped_rows, jnp.minimum(blocks, k_blocks - 1)[None, :])
+        return plgpu.load(sums_ref.at[inside], mask=real, other=0.0), real
+
+    sums, real = load(0, width)
+    total = sums.sum(axis=1)
+    # Columns past `width` (past every row's diagonal) count in the total only, their
+    # mask False: in power-of-two pieces, as Triton's tiles need.
+    piece = width
+    while piece < out_width:
+        total += load(piece, piece)[0].sum(axis=1)
+        mask_ref[:, pl.ds(piece, piece)] = jnp.zeros((rows, piece), jnp.bool_)
+        piece *= 2
+
+    blocks = jnp.arange(width)
     j = blocks[None, :]
     diagonal = row_ids[:, None] + (k_blocks - q_blocks)
     forced = real & (((j == 0) & (causal or keep_sink))
@@ -52,7 +72,6 @@ def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks
     allowed = real & (j <= diagonal) if causal else real
     candidate = allowed & ~forced
 
-    total = sums.sum(axis=1)
     target = threshold_ref[h] * total
     forced_mass = jnp.where(forced, sums, 0.0).sum(axis=1)
     bits = jnp.where(candidate, jax.lax.bitcast_convert_type(sums, jnp.int32), -1)
@@ -77,32 +96,41 @@ def _select_kernel(sums_ref, threshold_ref, mask_ref, *, q_blocks: int, k_blocks
     chosen = jnp.where((forced_mass >= target)[:, None], forced, chosen)
     chosen = jnp.where(reached(jnp.zeros((rows,), jnp.int32))[:, None], chosen, forced | candidate)
     chosen = jnp.where(jnp.isfinite(total)[:, None], chosen, allowed)
-    mask_ref[...] = chosen  # padding: False (`real` is in every term)
+    mask_ref[:, pl.ds(0, width)] = chosen  # padding: False (`real` is in every term)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "causal", "keep_sink", "keep_recent"))
-def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: Plan, causal: bool,
-                  keep_sink: bool = False, keep_recent: bool = False) -> jax.Array:
+def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: SelectPlan,
+                  causal: bool, keep_sink: bool = False, keep_recent: bool = False
+                  ) -> jax.Array:
     """Triton-backend section 4. block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32
-    `[Hq]`; plan: from `plan.plan_select_blocks` for that shape.
+    `[Hq]`; plan: from `plan.plan_select_blocks` for that shape and causal flag.
 
-    Returns bool `[B, Hq, qb, kb]`, the same rule as `reference.select_blocks`.
+    Returns bool `[B, Hq, qb, kb]`, the same rule as `reference.select_blocks`. Each of
+    the plan's calls writes its row tiles into one mask, the later ones in place.
     """
     b, hq, qb, kb = block_sums.shape
-    rows, width = plan.block_q, plan.block_k
-    row_tiles = pl.cdiv(qb, rows)
-    kernel = functools.partial(_select_kernel, q_blocks=qb, k_blocks=kb, rows=rows,
-                               width=width, causal=causal, keep_sink=keep_sink,
-                               keep_recent=keep_recent)
-    mask = pl.pallas_call(
-        kernel,
-        grid=(b, hq, row_tiles),
-        in_specs=[pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0)),
-                  pl.BlockSpec((hq,), lambda i, h, r: (0,))],
-        out_specs=pl.BlockSpec((None, None, rows, width), lambda i, h, r: (i, h, r, 0)),
-        out_shape=kernel_output((b, hq, row_tiles * rows, width), jnp.bool_, block_sums,
-                                threshold),
-        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps),
-        interpret=plan.interpret,
-    )(block_sums, threshold)
+    rows, width = plan.rows, plan.width
+    mask = None
+    for call in plan.calls:
+        kernel = functools.partial(_select_kernel, q_blocks=qb, k_blocks=kb, rows=rows,
+                                   width=call.width, out_width=width,
+                                   first_tile=call.first_tile, causal=causal,
+                                   keep_sink=keep_sink, keep_recent=keep_recent)
+        mask_spec = pl.BlockSpec((None, None, rows, width),
+                                 lambda i, h, r, first=call.first_tile: (i, h, first + r, 0))
+        earlier = () if mask is None else (mask,)
+        mask = pl.pallas_call(
+            kernel,
+            grid=(b, hq, call.tiles),
+            in_specs=[pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0)),
+                      pl.BlockSpec((hq,), lambda i, h, r: (0,))] + [mask_spec] * len(earlier),
+            out_specs=mask_spec,
+            out_shape=kernel_output((b, hq, plan.row_tiles * rows, width), jnp.bool_,
+                                    block_sums, threshold),
+            input_output_aliases={2: 0} if earlier else {},
+            compiler_params=plgpu.CompilerParams(num_warps=call.num_warps),
+            interpret=plan.interpret,
+        )(block_sums, threshold, *earlier)
     return mask[:, :, :qb, :kb]
+
