@@ -786,8 +786,9 @@ def test_epilogue_loops_read_every_slot_their_rows_see(q_len, k_len, call_rows, 
     """A causal call in row steps runs its epilogues in `epilogue_loops` loops: they
     take every row step once, in order, as even in number as they split, and each reads
     the slots of the most key tiles a row tile of its steps sees (`visible_tiles`), no
-    fewer (a row's weights would miss a tile) and no more. Causal 1M by default: 4
-    loops of 32 of its 128 row steps of 1024 rows, reading 128 .. 512 of the 512 slots.
+    fewer (a row's weights would miss a tile) and no more. Causal 1M by default: 16
+    loops of 8 of its 128 row steps of 1024 rows, reading 32, 64, .. 512 of the 512
+    slots.
     A non-causal call, and a bad count, are refused."""
     geom = Geometry(1, 32, 8, q_len, k_len, 128, 8, 128)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True, call_rows=call_rows,
@@ -795,9 +796,9 @@ def test_epilogue_loops_read_every_slot_their_rows_see(q_len, k_len, call_rows, 
     loops_run = estimate_plan.epilogue_steps(plan, True)
     first_rows = estimate_plan.step_first_rows(plan)
     if loops is None:
-        assert (plan.call_rows, plan.epilogue_loops) == (1024, 4)
+        assert (plan.call_rows, plan.epilogue_loops) == (1024, estimate_plan.EPILOGUE_LOOPS)
         assert [(len(steps), slots) for steps, slots in loops_run] == [
-            (32, 128), (32, 256), (32, 384), (32, 512)]
+            (8, 32 * (n + 1)) for n in range(16)]
     assert len(loops_run) == plan.epilogue_loops
     assert [n for steps, _ in loops_run for n in steps] == list(range(len(first_rows)))
     sizes = [len(steps) for steps, _ in loops_run]
