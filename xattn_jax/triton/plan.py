@@ -336,11 +336,16 @@ def plan_select_blocks(shape: tuple[int, int, int, int], *, causal: bool, interp
     else:
         narrowest = (narrowest_width(width) if widths is None
                      else max(1, width >> (widths - 1)))
+
+    def tile_width(tile: int) -> int:
+        """The narrowest width holding the blocks up to the row tile's last diagonal."""
+        last_row = min((tile + 1) * rows, qb) - 1
+        return max(next_pow2(min(kb, max(1, last_row + kb - qb + 1))), narrowest)
+
     calls, first = [], 0
-    for tile_width, tiles in itertools.groupby(
-            max(next_pow2(min(kb, max(1, min((tile + 1) * rows, qb) + kb - qb))), narrowest)
-            for tile in range(cdiv(qb, rows))):  # blocks up to the last row's diagonal
+    for width_of_tiles, tiles in itertools.groupby(map(tile_width, range(cdiv(qb, rows)))):
         count = sum(1 for _ in tiles)
-        calls.append(SelectCall(first, count, tile_width, _select_program(tile_width)[1]))
+        calls.append(SelectCall(first, count, width_of_tiles,
+                                _select_program(width_of_tiles)[1]))
         first += count
     return SelectPlan(tuple(shape), rows, width, tuple(calls), interpret)

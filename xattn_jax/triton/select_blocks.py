@@ -64,8 +64,7 @@ def _select_kernel(sums_ref, threshold_ref, *refs, q_blocks: int, k_blocks: int,
         mask_ref[:, pl.ds(piece, piece)] = jnp.zeros((rows, piece), jnp.bool_)
         piece *= 2
 
-    blocks = jnp.arange(width)
-    j = blocks[None, :]
+    j = jnp.arange(width)[None, :]
     diagonal = row_ids[:, None] + (k_blocks - q_blocks)
     forced = real & (((j == 0) & (causal or keep_sink))
                      | ((j == diagonal) & (causal or keep_recent)))
