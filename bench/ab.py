@@ -1,6 +1,6 @@
 """A/B of two versions of xattn_jax in one process, case by case, in alternation.
 
-    python -m bench.ab --old PATH [--cases NAME,...] [--rounds 3] [--json OUT]
+    python -m bench.ab --old PATH [--cases NAME,...] [--rounds 3] [--impl NAME] [--json OUT]
 
 PATH is a checkout of the other version (e.g. `git worktree add /tmp/old COMMIT`). Its
 `xattn_jax` is imported under the name `xattn_old` (a copy with its imports renamed), so
@@ -9,7 +9,9 @@ the old then the new version of every case (back-to-back medians, `bench.common.
 and the report gives each side's median over the rounds and the new / old ratio. The
 cases are `bench.estimate`'s (the estimate) and `bench.chunked`'s chunk rows (kv_block_scores
 then select_kv_blocks over a 4096-token chunk). Both versions are called through their
-public API with the kernels (`impl` "pallas" or "triton", whichever the version names).
+public API with the Triton-backend kernels (`impl` "pallas" or "triton", whichever the
+version names), or with `--impl` another implementation both have (e.g. "mosaic" on
+Hopper).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.cases import CHUNK, ESTIMATE
-from bench.common import log, record, time_ms, write_json
+from bench.common import floor_ms, log, record, time_ms, write_json
 
 DEFAULT_CASES = [name for name in ESTIMATE
                  if not name.startswith(("noncausal-16k", "noncausal-32k"))] + list(CHUNK)
@@ -48,9 +50,9 @@ def kernel_impl(module) -> str:
     return "triton" if impls is not None and "triton" in impls.IMPLS else "pallas"
 
 
-def case_fn(module, name: str):
-    """(fn, args) of one case, for one version."""
-    impl = kernel_impl(module)
+def case_fn(module, name: str, impl: str | None = None):
+    """(fn, args) of one case, for one version: its `impl` (default `kernel_impl`)."""
+    impl = impl or kernel_impl(module)
     shape = CHUNK.get(name) or ESTIMATE[name]
     q, k = shape.random_qk(len(name))
     if name in CHUNK:
@@ -75,6 +77,8 @@ def main(argv=None) -> None:
     parser.add_argument("--old", required=True, help="checkout of the other version")
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--impl", help="the impl both versions run (default: each "
+                        "version's Triton-backend kernels)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import xattn_jax as new
@@ -84,7 +88,8 @@ def main(argv=None) -> None:
     rows, records = [], []
     for i, name in enumerate(names):
         log(f"[{i + 1}/{len(names)}] {name}")
-        fns = {label: case_fn(module, name) for label, module in (("old", old), ("new", new))}
+        fns = {label: case_fn(module, name, args.impl)
+               for label, module in (("old", old), ("new", new))}
         reps = 2 if name == "causal-1m" else 10
         times = {"old": [], "new": []}
         for _ in range(args.rounds):
@@ -92,16 +97,19 @@ def main(argv=None) -> None:
                 times[label].append(time_ms(fn, [fn_args], warmup=2, reps=reps))
         old_ms, new_ms = (statistics.median(times[label]) for label in ("old", "new"))
         log(f"  old {old_ms:.3f} ms, new {new_ms:.3f} ms, new / old {new_ms / old_ms:.3f}")
-        rows.append((name, old_ms, new_ms, times))
-        records += [record(name, f"xattn-jax {label}", ms, float("nan"), float("nan"))
+        floor = floor_ms((CHUNK.get(name) or ESTIMATE[name]).strided_flops())
+        rows.append((name, old_ms, new_ms, floor, times))
+        impl = f" {args.impl}" if args.impl else ""
+        records += [record(name, f"xattn-jax {label}{impl}", ms, floor, float("nan"))
                     for label, ms in (("old", old_ms), ("new", new_ms))]
         if args.json:
             write_json(args.json, records)
         del fns
-    print("| case | old ms | new ms | new / old | rounds old | rounds new |")
+    print("| case | old ms (x floor) | new ms (x floor) | new / old | rounds old | rounds new |")
     print("|---|---|---|---|---|---|")
-    for name, old_ms, new_ms, times in rows:
-        print(f"| {name} | {old_ms:.3f} | {new_ms:.3f} | {new_ms / old_ms:.3f} | "
+    for name, old_ms, new_ms, floor, times in rows:
+        print(f"| {name} | {old_ms:.3f} ({old_ms / floor:.2f}) | {new_ms:.3f} "
+              f"({new_ms / floor:.2f}) | {new_ms / old_ms:.3f} | "
               + " ".join(f"{t:.3f}" for t in times["old"]) + " | "
               + " ".join(f"{t:.3f}" for t in times["new"]) + " |")
 
