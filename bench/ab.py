@@ -50,10 +50,15 @@ def kernel_impl(module) -> str:
     return "triton" if impls is not None and "triton" in impls.IMPLS else "pallas"
 
 
+def case_shape(name: str):
+    """The `bench.cases.Shape` of a chunk row or an estimate case."""
+    return CHUNK.get(name) or ESTIMATE[name]
+
+
 def case_fn(module, name: str, impl: str | None = None):
     """(fn, args) of one case, for one version: its `impl` (default `kernel_impl`)."""
     impl = impl or kernel_impl(module)
-    shape = CHUNK.get(name) or ESTIMATE[name]
+    shape = case_shape(name)
     q, k = shape.random_qk(len(name))
     if name in CHUNK:
         @jax.jit
@@ -97,7 +102,7 @@ def main(argv=None) -> None:
                 times[label].append(time_ms(fn, [fn_args], warmup=2, reps=reps))
         old_ms, new_ms = (statistics.median(times[label]) for label in ("old", "new"))
         log(f"  old {old_ms:.3f} ms, new {new_ms:.3f} ms, new / old {new_ms / old_ms:.3f}")
-        floor = floor_ms((CHUNK.get(name) or ESTIMATE[name]).strided_flops())
+        floor = floor_ms(case_shape(name).strided_flops())
         rows.append((name, old_ms, new_ms, floor, times))
         impl = f" {args.impl}" if args.impl else ""
         records += [record(name, f"xattn-jax {label}{impl}", ms, floor, float("nan"))
