@@ -146,15 +146,20 @@ def test_plan_defaults_fit_and_overrides_are_checked():
     for bad in (48, 12, -8, 512):
         with pytest.raises(ValueError, match="trim_columns must be 0 or a divisor of block_k"):
             estimate_plan.estimate_plan(geom, jnp.bfloat16, trim_columns=bad)
-    # a causal call in key groups multiplies a key tile's steps after the first in a loop
-    # (unrolled up to 5 times, a divisor of their count); causal calls of whole rows (1M:
-    # key groups 1), non-causal calls and the resident queries unroll them all; a tile of
-    # one step has no loop
+    # a causal call in key groups or on the persistent grid (1M's row steps) multiplies a
+    # key tile's steps after the first in a loop (unrolled up to 5 times, a divisor of
+    # their count); causal CTAs walking whole rows (1M given persistent=False: key groups
+    # 1), non-causal calls and the resident queries unroll them all; a tile of one step
+    # has no loop
     assert (causal.key_groups, causal.step_loop, plan.step_loop, resident.step_loop) == (
         4, 5, 0, 0)
-    long = estimate_plan.estimate_plan(Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 128),
-                                       jnp.bfloat16, causal=True)
-    assert (long.key_groups, long.step_loop) == (1, 0)
+    long_geom = Geometry(1, 32, 8, 1 << 20, 1 << 20, 128, 8, 128)
+    long = estimate_plan.estimate_plan(long_geom, jnp.bfloat16, causal=True)
+    assert (long.persistent_ctas, long.key_groups, long.step_loop) == (132, 1, 5)
+    rows = estimate_plan.estimate_plan(long_geom, jnp.bfloat16, causal=True, persistent=False)
+    assert (rows.persistent_ctas, rows.key_groups, rows.step_loop) == (0, 1, 0)
+    noncausal = estimate_plan.estimate_plan(long_geom, jnp.bfloat16, persistent=True)
+    assert (noncausal.persistent_ctas, noncausal.step_loop) == (132, 0)
     for shape, loop in (((4096, 4096, 128, 4, 64), 1),  # 8 steps: 7 after the first
                         ((4096, 4096, 64, 4, 32), 3),  # 4 steps: 3 after
                         ((4096, 4096, 64, 1, 32), 0)):  # 1 step

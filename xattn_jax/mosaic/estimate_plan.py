@@ -38,9 +38,9 @@ per key tile):
 
 In either layout, a consumer's masked key tile (its causal diagonal, or the end of the
 keys in use) is multiplied and summed only up to the last column its rows see, in steps
-of `trim_columns` (`masked_widths`; TRIM_COLUMNS). In causal calls in key groups, a
-consumer runs a key tile's product steps after the first as a loop (`step_loop`;
-CAUSAL_STEP_LOOP), one copy of their code for every masked width.
+of `trim_columns` (`masked_widths`; TRIM_COLUMNS). In causal calls in key groups or on the
+persistent grid, a consumer runs a key tile's product steps after the first as a loop
+(`step_loop`; CAUSAL_STEP_LOOP), one copy of their code for every masked width.
 
 Beyond the tiles, a plan says how the call reads k (contiguous, or a paged cache whose
 pages hold whole key tiles: `page_size`), in how many kernel calls it runs (one, or row
@@ -127,11 +127,17 @@ TRIM_COLUMNS = 128
 # took 10-14 s to build. H200, kernel alone, medians of 7 rotating rounds, unrolled / loop
 # / loop unrolled 5 times (session 21, call 2): causal 32K block 128 1.0048 / 1.0155 /
 # 1.0060 ms, 64K 3.7958 / 3.8044 / 3.7640; first call (build and one run) 10.2-10.3 /
-# 3.8-3.9 / 3.8-4.5 s. Calls whose CTAs walk whole rows stay unrolled: causal 1M (key
-# groups 1) ran 0.6% slower with the loop (whole block sums 1048.68 / 1055.30 ms, every
-# one of 5 alternating rounds; call 8), and non-causal calls 1-3% slower (32K block 64
-# 1.8626 / 1.9166 / 1.8832, the chunk over 64K 0.4362 / 0.4414 / 0.4451), their unrolled
-# kernels building in 4-5 s (mosaic_estimate_h200.md, tuning.md note 39).
+# 3.8-3.9 / 3.8-4.5 s. Causal calls whose CTAs walk whole rows stay unrolled: causal 1M
+# on such a grid (key groups 1) ran 0.6% slower with the loop (whole block sums 1048.68 /
+# 1055.30 ms, every one of 5 alternating rounds; call 8), and non-causal calls 1-3% slower
+# (32K block 64 1.8626 / 1.9166 / 1.8832, the chunk over 64K 0.4362 / 0.4414 / 0.4451),
+# their unrolled kernels building in 4-5 s (mosaic_estimate_h200.md, tuning.md note 39).
+# On the persistent grid (one key tile a work item) causal calls loop too since session
+# 31: unrolled / loop (bench.ab, 4 alternating rounds) the whole estimate at causal 1M
+# 975.28 / 972.90 ms, every loop round faster; block sums (2 rounds under equal
+# sustained load) causal 128K within 64 MiB 15.574 / 15.234, causal 256K 60.655 / 60.157;
+# bit-identical; ptxas built 1M's row-step kernel in 1.7 s instead of 7.2 (tuning.md
+# note 55).
 CAUSAL_STEP_LOOP = 5
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
@@ -1259,11 +1265,12 @@ def default_trim_columns(block_k: int) -> int:
 
 def default_step_loop(plan: EstimatePlan, causal: bool) -> int:
     """The default `step_loop` of `plan` (its other fields final): in causal calls with
-    the streamed queries in key groups (short CTAs), the largest divisor of a key tile's
-    steps less one up to CAUSAL_STEP_LOOP; else 0 (unrolled: also for a tile of one
-    step)."""
+    the streamed queries in key groups (short CTAs) or on the persistent grid (a key tile
+    a work item), the largest divisor of a key tile's steps less one up to
+    CAUSAL_STEP_LOOP; else 0 (unrolled: also for a tile of one step)."""
     steps = plan.steps_per_tile
-    if not causal or plan.queries != "streamed" or plan.key_groups < 2 or steps < 2:
+    walks_items = plan.key_groups > 1 or plan.persistent_ctas > 0
+    if not causal or plan.queries != "streamed" or not walks_items or steps < 2:
         return 0
     return max(n for n in range(1, CAUSAL_STEP_LOOP + 1) if (steps - 1) % n == 0)
 
