@@ -135,9 +135,9 @@ TRIM_COLUMNS = 128
 # On the persistent grid (one key tile a work item) causal calls loop too since session
 # 31: unrolled / loop (bench.ab, 4 alternating rounds) the whole estimate at causal 1M
 # 975.28 / 972.90 ms, every loop round faster; block sums (2 rounds under equal
-# sustained load) causal 128K within 64 MiB 15.574 / 15.234, causal 256K 60.655 / 60.157;
-# bit-identical; ptxas built 1M's row-step kernel in 1.7 s instead of 7.2 (tuning.md
-# note 55).
+# sustained load) causal 128K within 64 MiB 15.574 / 15.234, causal 256K 60.655 / 60.157,
+# within 64 MiB causal 32K 1.036 / 1.019, 64K 3.931 / 3.848; bit-identical; ptxas built
+# 1M's row-step kernel in 1.7 s instead of 7.2 (tuning.md note 55).
 CAUSAL_STEP_LOOP = 5
 BLOCK_D = 64  # head-dim columns per pipeline step: one 128-byte swizzled bf16 row
 MAX_STAGES = 8  # the deepest key ring the default plan takes; to be measured
