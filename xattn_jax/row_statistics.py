@@ -131,9 +131,11 @@ def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of,
     the last row step of each start early enough to end at the last head and block
     (recomputing, identically, a few the one before wrote), so nothing is padded or
     copied. steps: the row steps walked (default all ceil(qb / blocks), `step_start`
-    numbers them), of every head group; out: the result the earlier steps wrote (default
-    zeros), so that a caller may walk the steps in several loops, each with its own
-    block_sums_of."""
+    numbers them), of every head group; out: the result the earlier steps wrote, so that a
+    caller may walk the steps in several loops, each with its own block_sums_of (default
+    a new array left uninitialized where the backend allows, `jax.lax.empty`: the
+    caller's loops walk every step, which together write every element; on the H200
+    causal 1M's 8 GiB of zeros took 2.5 ms, bench/results/tuning.md note 58)."""
     steps = range(cdiv(geom.q_blocks, blocks)) if steps is None else steps
 
     def one_call(i, out):
@@ -145,6 +147,6 @@ def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of,
         return jax.lax.dynamic_update_slice(out, part, (0, head, start, 0))
 
     if out is None:
-        out = jnp.zeros((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks),
-                        jnp.float32)
+        out = jax.lax.empty((geom.batch, geom.q_heads, geom.q_blocks, geom.k_blocks),
+                            jnp.float32)
     return jax.lax.fori_loop(0, cdiv(geom.q_heads, heads) * len(steps), one_call, out)
