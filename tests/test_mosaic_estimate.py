@@ -784,6 +784,22 @@ def test_listed_items_are_exactly_the_visible_tiles(monkeypatch, q_len, k_len,
         assert int(traced) == step
 
 
+@pytest.mark.parametrize("ctas", [1, 3, 132])
+def test_listed_pair_walk_is_the_call_items_of_each_cta(ctas):
+    """Pair by pair, `listed_pair_walk` hands CTA c of G exactly the items its share of
+    the call's listed items c, c + G, c + 2G, .. names (item i = pair x n + k, n items a
+    pair), in that order: also with fewer items a pair than CTAs, and none."""
+    pairs = 7
+    for per_pair in (0, 1, 2, 5, 131, 132, 133, 700):
+        cta, pair = np.arange(ctas)[:, None], np.arange(pairs)[None, :]
+        first, count = (np.asarray(x) for x in estimate_plan.listed_pair_walk(
+            jnp.int32(pair), jnp.int32(per_pair), jnp.int32(cta), ctas))
+        for c in range(ctas):
+            walked = [(p, int(first[c, p]) + j * ctas)
+                      for p in range(pairs) for j in range(int(count[c, p]))]
+            assert walked == [divmod(i, per_pair) for i in range(c, pairs * per_pair, ctas)]
+
+
 @pytest.mark.parametrize("q_len, k_len, call_rows, loops", [
     (1 << 20, 1 << 20, None, None), (6000, 6000, 256, 3), (2560, 8192, 128, 2),
     (6000, 6000, 256, 1), (4096, 4096, 128, 4)])

@@ -638,6 +638,17 @@ def listed_items(plan: EstimatePlan, step: int = 0) -> tuple[int, ...]:
     return tuple(int(i) for i in row[1:1 + row[0]])
 
 
+def listed_pair_walk(pair, per_pair, cta, ctas: int):
+    """Where CTA `cta` of a listed persistent grid of `ctas` CTAs walks in pair `pair`,
+    the pair's listed items numbering `per_pair` (int32 arrays or traced scalars, >= 0):
+    (first, count), its items there being first, first + ctas, .. (count of them),
+    exactly the call's items pair x per_pair + k that are cta modulo ctas (what CTA
+    `cta` walks, `listed_items`), found without dividing by the traced per_pair."""
+    first = cta - jax.lax.rem(pair * per_pair, jnp.int32(ctas))
+    first = jnp.where(first < 0, first + ctas, first)
+    return first, jax.lax.div(per_pair - first + (ctas - 1), jnp.int32(ctas))
+
+
 def items_table(plan: EstimatePlan) -> np.ndarray:
     """The listed items of every row step of a call (`listed_items`), int32 `[row steps,
     1 + n]` (one row for a call of whole rows): row r holds the number of step r's items
@@ -1269,8 +1280,8 @@ def default_step_loop(plan: EstimatePlan, causal: bool) -> int:
     a work item), the largest divisor of a key tile's steps less one up to
     CAUSAL_STEP_LOOP; else 0 (unrolled: also for a tile of one step)."""
     steps = plan.steps_per_tile
-    walks_items = plan.key_groups > 1 or plan.persistent_ctas > 0
-    if not causal or plan.queries != "streamed" or not walks_items or steps < 2:
+    splits_rows = plan.key_groups > 1 or plan.persistent_ctas > 0
+    if not causal or plan.queries != "streamed" or not splits_rows or steps < 2:
         return 0
     return max(n for n in range(1, CAUSAL_STEP_LOOP + 1) if (steps - 1) % n == 0)
 

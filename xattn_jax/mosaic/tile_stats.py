@@ -137,9 +137,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan, paired_row_tiles, seen_columns,
-                                            folded_place, items_table, tail_tile,
-                                            unmasked_tiles, visible_tiles, walked_cells,
-                                            work_items)
+                                            folded_place, items_table, listed_pair_walk,
+                                            tail_tile, unmasked_tiles, visible_tiles,
+                                            walked_cells, work_items)
 from xattn_jax.mosaic.kernel import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      _tile_transforms)
 
@@ -245,35 +245,48 @@ def _walk_items(plan: EstimatePlan, causal: bool, first_row, cols, items_ref, wa
     """The persistent CTA's units (`_cta_work`): work item c + G j, j = 0, 1, ..., of
     `work_items`, or with `items_ref` (`EstimatePlan.listed`) of the call's listed items
     (each pair's, `listed_items`, in turn), as (batch, head, row0, tile, 0 or 1,
-    walked)."""
+    walked).
+
+    A listed grid walks the pairs in an outer loop, in each pair the listed items
+    `estimate_plan.listed_pair_walk` gives: the same items in the same order as
+    dividing each of the call's item indices by the pair's items (traced, read from the
+    step's row of `items_table`), without that division (an emulated 32-bit division,
+    35 dependent instructions per item in every warp; mosaic_estimate_h200.md, session
+    32)."""
     cta = lax.axis_index(PERSISTENT_AXIS)
     ctas, block = plan.persistent_ctas, plan.row_block_tiles
     items, tiles = work_items(plan, cols)
-    if items_ref is not None:  # the listed items of each pair, at the pair's items
-        per_pair = items_ref[0]  # the items follow
-        pair_items = tiles * (plan.row_blocks * block)
-        items = plan.pairs * per_pair
+    heads = jnp.int32(plan.heads)
 
-    def one(j, walked):
-        i = cta + j * ctas
-        if items_ref is not None:
-            pair = lax.div(i, per_pair)
-            i = pair * pair_items + items_ref[1 + lax.rem(i, per_pair)]
-        row_in_block, i = lax.rem(i, jnp.int32(block)), lax.div(i, jnp.int32(block))
+    def unit(item, walked, pair=None):
+        """Walks `item`: a work item of the call (`work_items` order), or with `pair`
+        the index of one within that (batch, head) pair's items."""
+        row_in_block, i = lax.rem(item, jnp.int32(block)), lax.div(item, jnp.int32(block))
         tile, i = lax.rem(i, tiles), lax.div(i, tiles)
-        row_block, i = lax.rem(i, jnp.int32(plan.row_blocks)), lax.div(
-            i, jnp.int32(plan.row_blocks))
-        head, batch = lax.rem(i, jnp.int32(plan.heads)), lax.div(i, jnp.int32(plan.heads))
+        row_block = i
+        if pair is None:
+            row_blocks = jnp.int32(plan.row_blocks)
+            row_block, pair = lax.rem(i, row_blocks), lax.div(i, row_blocks)
         row_tile = row_block * block + row_in_block
         row0 = row_tile * plan.rows
         seen = ((row_tile < plan.call_row_tiles)
                 & (tile < visible_tiles(plan, causal, first_row + row0, cols)))
         num_tiles = seen.astype(jnp.int32)
-        walk(batch, head, row0, tile, num_tiles, walked)
+        walk(lax.div(pair, heads), lax.rem(pair, heads), row0, tile, num_tiles, walked)
         return walked + num_tiles
 
-    return lax.fori_loop(0, lax.div(items - cta + (ctas - 1), jnp.int32(ctas)), one,
-                         jnp.int32(0))
+    if items_ref is None:
+        return lax.fori_loop(0, lax.div(items - cta + (ctas - 1), jnp.int32(ctas)),
+                             lambda j, walked: unit(cta + j * ctas, walked), jnp.int32(0))
+    per_pair = items_ref[0]  # the items follow
+
+    def one_pair(pair, walked):
+        first, count = listed_pair_walk(pair, per_pair, cta, ctas)
+        return lax.fori_loop(
+            0, count, lambda j, walked: unit(items_ref[1 + first + j * ctas], walked, pair),
+            walked)
+
+    return lax.fori_loop(0, plan.pairs, one_pair, jnp.int32(0))
 
 
 def _shift(x, offset):
