@@ -646,7 +646,7 @@ def listed_pair_walk(pair, per_pair, cta, ctas: int):
     `cta` walks, `listed_items`), found without dividing by the traced per_pair."""
     first = cta - jax.lax.rem(pair * per_pair, jnp.int32(ctas))
     first = jnp.where(first < 0, first + ctas, first)
-    return first, jax.lax.div(per_pair - first + (ctas - 1), jnp.int32(ctas))
+    return first, _div(per_pair - first + (ctas - 1), ctas)
 
 
 def items_table(plan: EstimatePlan) -> np.ndarray:
