@@ -228,6 +228,35 @@ def test_paired_row_tiles_balance_the_causal_triangle(q_len, k_len, stride, bloc
         assert tiles[first[alone]].item() <= (pairs.min() if len(pairs) else tiles.max())
 
 
+def _random_stats(shape, units: int) -> np.ndarray:
+    """Statistics of `shape` (`[B, H, T, planes, R]`) as the kernel writes them: maxima
+    around 0, unit sums in [0, 1), their totals."""
+    rng = np.random.default_rng(0)
+    stats = rng.random(shape, np.float32)
+    stats[:, :, :, 0] = rng.normal(size=stats[:, :, :, 0].shape) * 3  # maxima
+    if units > 1:
+        stats[:, :, :, 1 + units] = stats[:, :, :, 1:1 + units].sum(axis=3)
+    return stats
+
+
+def _folded(plan, stats: np.ndarray) -> np.ndarray:
+    """A whole causal call's unfolded statistics `stats` in `plan`'s folded layout
+    (`folded_place`), NaN where no row tile's tile is stored; each seen tile gets its own
+    slot and rows, within `stats_shape`."""
+    rows, shape = plan.rows, plan.stats_shape
+    row_tiles = plan.call_row_tiles
+    seen = np.asarray(estimate_plan.visible_tiles(plan, True, np.arange(row_tiles) * rows))
+    folded = np.full(shape, np.nan, np.float32)
+    used = set()
+    for i, t in ((i, t) for i in range(row_tiles) for t in range(seen[i])):
+        slot, row0 = (int(x) for x in estimate_plan.folded_place(plan, i * rows, t))
+        assert 0 <= slot < shape[2] and 0 <= row0 <= shape[4] - rows
+        assert (slot, row0) not in used, (i, t)
+        used.add((slot, row0))
+        folded[:, :, slot, :, row0:row0 + rows] = stats[:, :, t, :, i * rows:(i + 1) * rows]
+    return folded
+
+
 # (Lq, Lk, stride, block_size, block_k, queries, folded slots x places / unfolded):
 # Lq = Lk at 16K (T + 1 slots for two row tiles of T key tiles: 9 / 16), an odd R (3
 # row tiles, the middle one alone), R = 2 with a key tile of 3 units, Lq < Lk, 64-row
@@ -261,21 +290,8 @@ def test_folded_statistics_hold_each_seen_tile_once(q_len, k_len, stride, block_
     assert shape[2:] == (plan.fold_slots, plan.stat_planes, plan.fold_places * rows)
     assert plan.fold_slots * plan.fold_places / (tiles * row_tiles) == pytest.approx(share)
     assert plan.scratch_bytes == np.prod(shape) * estimate_plan.STAT_BYTES
-    rng = np.random.default_rng(0)
-    stats = rng.random(unfolded.stats_shape, np.float32)
-    stats[:, :, :, 0] = rng.normal(size=stats[:, :, :, 0].shape) * 3  # maxima
-    units = plan.units_per_tile
-    if units > 1:
-        stats[:, :, :, 1 + units] = stats[:, :, :, 1:1 + units].sum(axis=3)
-    seen = np.asarray(estimate_plan.visible_tiles(plan, True, np.arange(row_tiles) * rows))
-    folded = np.full(shape, np.nan, np.float32)
-    used = set()
-    for i, t in ((i, t) for i in range(row_tiles) for t in range(seen[i])):
-        slot, row0 = (int(x) for x in estimate_plan.folded_place(plan, i * rows, t))
-        assert 0 <= slot < shape[2] and 0 <= row0 <= shape[4] - rows
-        assert (slot, row0) not in used, (i, t)
-        used.add((slot, row0))
-        folded[:, :, slot, :, row0:row0 + rows] = stats[:, :, t, :, i * rows:(i + 1) * rows]
+    stats = _random_stats(unfolded.stats_shape, plan.units_per_tile)
+    folded = _folded(plan, stats)
     got = np.asarray(block_sums._folded_block_sums(jnp.asarray(folded), plan, True))
     planes = block_sums._planes(jnp.asarray(stats), unfolded, True, 0, geom.k_cols)
     want = np.asarray(row_statistics.combine(*planes, geom, plan.unit, 0, geom.q_blocks,
@@ -314,6 +330,85 @@ def test_fold_defaults_and_refusals():
             plan(32768, 32768, fold=True, **options)
     with pytest.raises(ValueError, match="fold needs one kernel call; the folded"):
         plan(1 << 20, 1 << 20, causal=True, fold=True)  # a head's exceed 1.5 GiB
+
+
+# (Lq, Lk, block_size, causal, fold, call_rows, first_row, keys in use, whether any):
+# folded causal calls (query blocks of 16 and 8 rows, and of 2 row tiles: block 2048),
+# an unfolded one, a causal row step, keys in use ending inside a key tile, padded rows
+# with a partly filled key block of 2 units, and a call without keys
+@pytest.mark.parametrize("q_len, k_len, block_size, causal, fold, call_rows, first_row, "
+                         "cols, sees_keys", [
+    (4096, 4096, 128, True, True, None, 0, None, True),
+    (4096, 4096, 64, True, True, None, 0, None, True),
+    (4096, 4096, 2048, True, True, None, 0, None, True),
+    (4096, 4096, 128, True, False, None, 0, None, True),
+    (8192, 8192, 128, True, False, 256, 512, None, True),
+    (2048, 8192, 128, False, False, None, 0, 700, True),
+    (1000, 3000, 1024, False, False, None, 0, None, True),
+    (2048, 8192, 128, False, False, None, 0, 0, False),
+])
+def test_stats_epilogue_equals_xla_epilogue(q_len, k_len, block_size, causal, fold,
+                                            call_rows, first_row, cols, sees_keys):
+    """The epilogue as one kernel (`mosaic.epilogue.stats_block_sums`, Pallas interpret
+    mode) gives the XLA epilogue's block sums (`_folded_block_sums`, or `_planes` and
+    `combine`) within float32 rounding, folded or not, in a row step, with keys in use,
+    and zeros without keys; it never reads the entries of key tiles a row tile does not
+    see (NaN here)."""
+    from xattn_jax.mosaic import epilogue
+
+    geom = _geom(1, 2, 1, q_len, k_len, 64, 8, block_size, causal)
+    options = {"causal": causal, "fold": fold, "call_rows": call_rows,
+               "stats_epilogue": True}
+    plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+    assert plan.stats_epilogue and plan.fold == fold and plan.call_rows == (call_rows or 0)
+    cols = geom.k_cols if cols is None else cols
+    q_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks
+    if fold:
+        unfolded = estimate_plan.estimate_plan(geom, jnp.bfloat16, **{**options, "fold": False})
+        stats = _random_stats(unfolded.stats_shape, plan.units_per_tile)
+        given = _folded(plan, stats)
+        want = block_sums._folded_block_sums(jnp.asarray(given), plan, sees_keys)
+    else:
+        given = _random_stats(plan.stats_shape, plan.units_per_tile)
+        row0 = first_row + np.arange(given.shape[-1] // plan.rows) * plan.rows
+        for i, seen in enumerate(estimate_plan.visible_tiles(plan, causal, row0, cols)):
+            given[:, :, seen:, :, i * plan.rows:(i + 1) * plan.rows] = np.nan
+        planes = block_sums._planes(jnp.asarray(given), plan, causal, first_row,
+                                    jnp.int32(cols))
+        want = row_statistics.combine(*planes, geom, plan.unit, first_row, q_blocks,
+                                      sees_keys)
+    scalars = jnp.array([cols, first_row, sees_keys], jnp.int32)
+    got = np.asarray(epilogue.stats_block_sums(jnp.asarray(given), scalars, plan=plan,
+                                               causal=causal, q_blocks=q_blocks,
+                                               interpret=True))
+    want = np.asarray(want)
+    assert got.shape == want.shape == (1, 2, q_blocks, geom.k_blocks)
+    assert not np.isnan(got).any()
+    if sees_keys:
+        assert npr.rel_err(got, want) <= F32_RTOL
+    else:
+        assert not got.any() and not want.any()
+
+
+def test_stats_epilogue_defaults_and_refusal():
+    """The epilogue kernel runs by default where the statistics are folded (whole causal
+    calls: FOLDED_STATS_EPILOGUE), XLA's reductions elsewhere (non-causal calls, row
+    steps, chunks); stats_epilogue=True needs power-of-two key tiles and blocks."""
+    def plan(q_len, k_len, block_size=128, **options):
+        geom = Geometry(1, 32, 8, q_len, k_len, 128, 8, block_size)
+        return estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+
+    assert estimate_plan.FOLDED_STATS_EPILOGUE
+    assert plan(32768, 32768, causal=True).stats_epilogue
+    assert plan(131072, 131072, causal=True).stats_epilogue
+    assert not plan(32768, 32768, causal=True, fold=False).stats_epilogue
+    assert not plan(65536, 65536).stats_epilogue
+    assert not plan(4096, 65536, block_size=1024).stats_epilogue
+    assert not plan(1 << 20, 1 << 20, causal=True).stats_epilogue  # row steps
+    assert not plan(32768, 32768, block_size=192, causal=True).stats_epilogue
+    for options in ({"block_size": 192}, {"block_k": 192}):
+        with pytest.raises(ValueError, match="stats_epilogue needs"):
+            plan(32768, 32768, causal=True, stats_epilogue=True, **options)
 
 
 def test_a_bound_holding_only_the_folded_statistics_takes_the_causal_call():

@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xattn_jax.mosaic import epilogue
 from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, epilogue_steps,
                                             row_step, row_tiles_seen, tail_tile,
                                             visible_tiles)
@@ -188,6 +189,11 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
                                       causal=causal, scale=scale,
                                       step=row_step(plan, first_row))
+        if plan.stats_epilogue:  # one kernel, folded or not
+            epilogue_scalars = jnp.stack([jnp.asarray(v, jnp.int32)
+                                          for v in (cols, first_row, sees_keys)])
+            return epilogue.stats_block_sums(stats, epilogue_scalars, plan=plan,
+                                             causal=causal, q_blocks=q_blocks)
         if plan.fold:  # a whole causal call: all rows, all keys
             return _folded_block_sums(stats, plan, sees_keys)
         maxes, sums, totals = _planes(stats[:, :, :slots], plan, causal, first_row, cols)

@@ -196,6 +196,15 @@ MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
 # (session 29): 994.11 / 978.74 / 972.42 / 969.93 / 968.42 ms, the build 13-17 s in
 # every case (the kernel is lowered once, `tile_stats` being jitted).
 EPILOGUE_LOOPS = 16
+# The epilogue as one Triton-backend kernel over the statistics (`EstimatePlan.
+# stats_epilogue`): in whole causal calls, whose folded statistics XLA unfolds in several
+# reductions. H200, block sums, medians of 3 rotating rounds under sustained load, XLA /
+# kernel (session 33): causal 32K 1.0183 / 1.0035 ms, 64K 3.7939 / 3.7638, 128K 15.465 /
+# 15.299 (the epilogue's kernels 49.4 -> 29.3 us at 32K, 158.2 -> 100.7 at 64K). Where
+# its programs walk many key tiles one at a time it lost: non-causal 64K block 128 /
+# 64 / 4096 -0.4 / 0.0 / +0.4%, the 4096-query chunk over 64K / 128K +2.7 / +3.6%
+# (30.7 us against 3 reductions of 12), causal 1M's row steps +1.4%.
+FOLDED_STATS_EPILOGUE = True
 # SMs of an H100 SXM / H200: the SM count where the default device does not say its own
 # (`device_sms`), which sizes row steps' waves, key groups and the persistent grid
 HOPPER_SMS = 132
@@ -286,7 +295,9 @@ class EstimatePlan(UnitSums):
     (`_head_rows` sizes them, one head a step, where no other step fits);
     epilogue_loops (causal calls in row steps): the row steps' epilogues run in this many
     loops of consecutive steps, each reading only the key-tile slots its rows see
-    (`epilogue_steps`), else 1.
+    (`epilogue_steps`), else 1; stats_epilogue: the epilogue as one Triton-backend
+    kernel over the statistics (`xattn_jax.mosaic.epilogue`; power-of-two block_k and
+    block_rows), else as XLA reductions (`row_statistics.combine`).
     """
 
     geom: Geometry
@@ -309,6 +320,7 @@ class EstimatePlan(UnitSums):
     fold: bool = False
     call_heads: int = 0
     epilogue_loops: int = 1
+    stats_epilogue: bool = False
 
     @property
     def masked_widths(self) -> tuple[int, ...]:
@@ -790,7 +802,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                   step_loop: int | None = None,
                   fold: bool | None = None,
                   call_heads: int | None = None,
-                  epilogue_loops: int | None = None) -> EstimatePlan:
+                  epilogue_loops: int | None = None,
+                  stats_epilogue: bool | None = None) -> EstimatePlan:
     """The plan of one call. causal: whether the call is (its default key groups
     depend on it: `_causal_key_groups`, else `_key_groups`); page_size: the tokens per
     page of a paged k (None: contiguous); max_scratch_bytes: the statistics one kernel
@@ -814,7 +827,8 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     a key tile's steps less one) and fold (causal calls of one kernel call, cluster 1)
     and call_heads (the query heads of a head step, at most Hq, of every row with
     call_rows 0 or None, else of call_rows rows; or 0) and epilogue_loops (at most the
-    row steps of a causal call, else 1) override the defaults (tuning
+    row steps of a causal call, else 1) and stats_epilogue (power-of-two block_k and
+    block_rows) override the defaults (tuning
     runs, tests): QUERIES, BLOCK_K of the layout (with a paged k, the largest multiple
     of 64 up to it that divides a page's columns), STAGGER with the streamed queries,
     PAIR_ROWS, the most stages that fit in shared memory, at most MAX_STAGES,
@@ -825,7 +839,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
     tile's steps, `default_trim_columns`, `default_step_loop`, and folded statistics in
     causal calls of one kernel call and cluster 1 where they take less memory
     (`_fold_saves`; a call whose folded statistics fit within the bound runs as one
-    kernel call), `default_epilogue_loops`.
+    kernel call), `default_epilogue_loops`, `default_stats_epilogue`.
     leave_out: a timing variant (LEAVE_OUT).
     Raises ValueError for arguments the kernel does not take (`unsupported_reason`) and
     overrides that do not fit."""
@@ -987,7 +1001,13 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
         raise ValueError(f"epilogue_loops must be in [1, {steps if causal else 1}] (at most "
                          f"the row steps of a causal call; 1 in a non-causal one, whose "
                          f"rows all see every key tile); got {epilogue_loops}")
-    return dataclasses.replace(plan, epilogue_loops=epilogue_loops)
+    plan = dataclasses.replace(plan, epilogue_loops=epilogue_loops)
+    if stats_epilogue is None:
+        stats_epilogue = default_stats_epilogue(plan, causal)
+    if stats_epilogue and not stats_epilogue_takes(plan):
+        raise ValueError(f"stats_epilogue needs block_k ({block_k}) and a block's reshaped "
+                         f"rows ({geom.block_rows}) to be powers of two (Triton's tiles)")
+    return dataclasses.replace(plan, stats_epilogue=bool(stats_epilogue))
 
 
 def _default_persistent(plan: EstimatePlan, causal: bool) -> bool:
@@ -1289,6 +1309,20 @@ def default_step_loop(plan: EstimatePlan, causal: bool) -> int:
 def default_epilogue_loops(plan: EstimatePlan, causal: bool) -> int:
     """EPILOGUE_LOOPS for a causal call in row steps (at most one a step), else 1."""
     return min(EPILOGUE_LOOPS, len(step_first_rows(plan))) if causal else 1
+
+
+def stats_epilogue_takes(plan: EstimatePlan) -> bool:
+    """Whether `xattn_jax.mosaic.epilogue` takes the plan's statistics: its tiles (a key
+    tile's units, a row tile's query blocks) have power-of-two sizes where block_k and
+    block_rows do."""
+    return all(n & (n - 1) == 0 for n in (plan.block_k, plan.geom.block_rows))
+
+
+def default_stats_epilogue(plan: EstimatePlan, causal: bool) -> bool:
+    """FOLDED_STATS_EPILOGUE for folded statistics (a whole causal call) the kernel
+    takes (`stats_epilogue_takes`); XLA's reductions elsewhere."""
+    del causal  # folded statistics are causal
+    return FOLDED_STATS_EPILOGUE and plan.fold and stats_epilogue_takes(plan)
 
 
 def default_stagger(queries: str) -> bool:
