@@ -9,16 +9,16 @@ unfolding); here one program per (batch, head, row tile) walks its row tile's ke
 twice, reading them where the kernel stored them (`folded_place` with `plan.fold`):
 
 1. M and L together, as a running maximum and a rescaled running sum (2 planes a tile);
-2. per key tile, its unit sums `[P, rows]` weighed and summed over each query block's
-   rows, stored as block sums (units past the key tiles seen: 0).
+2. per key tile, its unit sums `[P, rows]` weighed and summed over each query block's rows, stored as
+   block sums (0 for key tiles the row tile does not see).
 
-The kernel writes, per row tile, the sums of each chunk of min(block_rows, rows) rows
-per unit, padded to whole row tiles and key tiles: the block sums themselves where a
-query block lies in one row tile and a key block is one unit (`_direct`), else sums that
-`stats_block_sums` adds up into blocks. Rows past the queries, and every row of a call
-without keys, add nothing (`row_counts`). Each program walks its key tiles one at a
-time: where they are many and the programs few (non-causal calls, chunks, row steps),
-XLA's reductions stay faster (`estimate_plan.FOLDED_STATS_EPILOGUE`).
+Each pass reads several key tiles at once (`tiles_per_step`), so that a program walking
+many (a chunk over a long context, a row step of 1M) is not bound by one load's latency
+per tile. The kernel writes, per row tile, the sums of each chunk of min(block_rows,
+rows) rows per unit, padded to whole row tiles and steps of key tiles: the block sums
+themselves where a query block lies in one row tile and a key block is one unit
+(`_direct`), else sums that `stats_block_sums` adds up into blocks. Rows past the
+queries, and every row of a call without keys, add nothing (`row_counts`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xattn_jax.geometry import cdiv, next_pow2
 from xattn_jax.mosaic.estimate_plan import EstimatePlan, visible_tiles
 from xattn_jax.partitioning import kernel_output
 from xattn_jax.row_statistics import fit, row_counts
 
-EPILOGUE_WARPS = 4  # Triton's default; not tuned
+# Warps per program and floats a program reads at once (`tiles_per_step`). H200, block
+# sums of the default plans, medians of 2 rotating rounds under sustained load, 8192 on
+# 4 warps / 16384 on 8 (session 33): causal 32K 1.0129 / 1.0138 ms, 64K 3.8003 / 3.8039,
+# the 4096-query chunk over 64K 0.4435 / 0.4437; one tile at a time, the chunk's
+# epilogue took 30.7 us, at 8192 floats 6.5.
+EPILOGUE_WARPS = 4
+STEP_ELEMENTS = 8192
 _M_START = -1e30  # the running maximum before any tile: finite, so 2^(start - M) is 0
 
 
@@ -44,7 +51,17 @@ def _direct(plan: EstimatePlan) -> bool:
     return plan.geom.block_rows <= plan.rows and plan.unit == plan.geom.block_rows
 
 
-def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool):
+def tiles_per_step(plan: EstimatePlan, planes: int, elements: int) -> int:
+    """Key tiles a program reads at once: `planes` planes of its rows each, about
+    `elements` floats in all (a power of two, at most the key tiles' next one)."""
+    fit_tiles = max(1, elements // (planes * plan.rows))
+    return min(1 << (fit_tiles.bit_length() - 1), next_pow2(plan.key_tiles))
+
+
+def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool,
+            max_tiles: int, sum_tiles: int):
+    """max_tiles / sum_tiles: key tiles read at once for the maxima and totals (pass 1)
+    and for the unit sums (pass 2)."""
     geom, rows, units = plan.geom, plan.rows, plan.units_per_tile
     tile_row = pl.program_id(1)
     cols, first_row, sees_keys = scalars_ref[0], scalars_ref[1], scalars_ref[2]
@@ -54,46 +71,63 @@ def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool
     if plan.fold:
         late = tile_row >= plan.fold_places
         place = jnp.where(late, plan.call_row_tiles - 1 - tile_row, tile_row)
-    stat_rows = pl.ds(place * rows, rows)
+    stat_rows = place * rows + jnp.arange(rows)  # index arrays throughout: gathers
     total_plane = 1 + units if units > 1 else 1
 
-    def slot(t):
-        return t if late is None else jnp.where(late, plan.fold_slots - 1 - t, t)
+    def tiles(first, count):
+        """Key tiles first .. first + count - 1: their slots (clamped into the
+        statistics) and whether the row tile sees them."""
+        t = first + jnp.arange(count)
+        slot = t if late is None else jnp.where(late, plan.fold_slots - 1 - t, t)
+        return jnp.clip(slot, 0, plan.stats_shape[2] - 1), t < seen
 
-    def running(t, carry):
+    def running(step, carry):
         row_max, row_sum = carry
-        maxes = stats_ref[slot(t), 0, stat_rows]
-        totals = stats_ref[slot(t), total_plane, stat_rows]
-        new_max = jnp.maximum(row_max, maxes)
+        slots, inside = tiles(step * max_tiles, max_tiles)
+        where = inside[:, None]
+        at = (slots[:, None], stat_rows[None, :])
+        maxes = plgpu.load(stats_ref.at[at[0], 0, at[1]], mask=where,
+                           other=-jnp.inf)  # [max_tiles, rows]
+        totals = plgpu.load(stats_ref.at[at[0], total_plane, at[1]], mask=where,
+                            other=0.0)
+        new_max = jnp.maximum(row_max, maxes.max(axis=0))
         row_sum = (row_sum * jnp.exp2(row_max - new_max)
-                   + totals * jnp.exp2(maxes - new_max))
+                   + (totals * jnp.exp2(maxes - new_max[None, :])).sum(axis=0))
         return new_max, row_sum
 
     row_max, row_sum = lax.fori_loop(
-        0, seen, running, (jnp.full((rows,), _M_START, jnp.float32),
-                           jnp.zeros((rows,), jnp.float32)))
+        0, lax.div(seen + (max_tiles - 1), max_tiles), running,
+        (jnp.full((rows,), _M_START, jnp.float32), jnp.zeros((rows,), jnp.float32)))
     counted = row_counts(row0 + jnp.arange(rows), geom, sees_keys > 0)
     chunks = rows // min(geom.block_rows, rows)
 
-    def store(t, value):  # value [chunks, units]: key tile t's sums
-        out_ref[pl.ds(tile_row * chunks, chunks), pl.ds(t * units, units)] = value
-
-    def weighed(t, carry):
-        maxes = stats_ref[slot(t), 0, stat_rows]
-        sums = stats_ref[slot(t), pl.ds(1, units), stat_rows]  # [P, rows]
-        weight = jnp.exp2(maxes - row_max) / row_sum
-        probs = jnp.where(counted[None, :], sums * weight[None, :], 0.0)
-        store(t, probs.reshape(units, chunks, rows // chunks).sum(axis=2).T)
+    def weighed(step, carry):
+        """Key tiles step x sum_tiles ..: their unit sums weighed, summed into chunks of
+        rows, stored (0 for tiles the row tile does not see)."""
+        slots, inside = tiles(step * sum_tiles, sum_tiles)
+        maxes = plgpu.load(stats_ref.at[slots[:, None], 0, stat_rows[None, :]],
+                           mask=inside[:, None], other=-jnp.inf)  # [sum_tiles, rows]
+        sums = plgpu.load(stats_ref.at[slots[:, None, None],
+                                       1 + jnp.arange(units)[None, :, None],
+                                       stat_rows[None, None, :]],
+                          mask=inside[:, None, None], other=0.0)  # [sum_tiles, P, rows]
+        weight = jnp.exp2(maxes - row_max[None, :]) / row_sum[None, :]
+        probs = jnp.where(counted[None, None, :], sums * weight[:, None, :], 0.0)
+        chunk_sums = probs.reshape(sum_tiles, units, chunks, rows // chunks).sum(axis=3)
+        out_ref[pl.ds(tile_row * chunks, chunks),
+                pl.ds(step * sum_tiles * units, sum_tiles * units)] = (
+            chunk_sums.transpose(2, 0, 1).reshape(chunks, sum_tiles * units))
         return carry
 
-    lax.fori_loop(0, seen, weighed, None)
-    zeros = jnp.zeros((chunks, units), jnp.float32)
-    lax.fori_loop(seen, plan.key_tiles, lambda t, c: (store(t, zeros), c)[1], None)
+    lax.fori_loop(0, cdiv(plan.key_tiles, sum_tiles), weighed, None)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "causal", "q_blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("plan", "causal", "q_blocks", "interpret",
+                                             "elements", "warps"))
 def stats_block_sums(stats: jax.Array, scalars: jax.Array, *, plan: EstimatePlan,
-                     causal: bool, q_blocks: int, interpret: bool = False) -> jax.Array:
+                     causal: bool, q_blocks: int, interpret: bool = False,
+                     elements: int = STEP_ELEMENTS, warps: int = EPILOGUE_WARPS
+                     ) -> jax.Array:
     """Block sums `[B, heads, q_blocks, kb]` float32 of one kernel call's rows from its
     statistics (`plan.stats_shape`, folded or not; entries of tiles a row tile does not
     see are never read). scalars: int32 `[3]`: the reshaped key columns in use, the
@@ -103,8 +137,13 @@ def stats_block_sums(stats: jax.Array, scalars: jax.Array, *, plan: EstimatePlan
     b, heads, _, _, stat_rows = plan.stats_shape
     row_tiles = plan.call_row_tiles if plan.fold else stat_rows // plan.rows
     chunk = min(geom.block_rows, plan.rows)
-    out_rows, out_cols = row_tiles * (plan.rows // chunk), plan.key_tiles * plan.units_per_tile
-    kernel = functools.partial(_kernel, plan=plan, causal=causal)
+    units = plan.units_per_tile
+    max_tiles = tiles_per_step(plan, 2, elements)
+    sum_tiles = tiles_per_step(plan, 1 + units, elements)
+    out_rows = row_tiles * (plan.rows // chunk)
+    out_cols = cdiv(plan.key_tiles, sum_tiles) * sum_tiles * units  # whole steps
+    kernel = functools.partial(_kernel, plan=plan, causal=causal, max_tiles=max_tiles,
+                               sum_tiles=sum_tiles)
 
     def pair_block(pair, tile_row):  # the (batch, head) pair's whole arrays
         del tile_row
@@ -118,7 +157,7 @@ def stats_block_sums(stats: jax.Array, scalars: jax.Array, *, plan: EstimatePlan
                                lambda *ids: pair_block(*ids) + (0,))],
         out_specs=pl.BlockSpec((None, None, out_rows, out_cols), pair_block),
         out_shape=kernel_output((b, heads, out_rows, out_cols), jnp.float32, stats, scalars),
-        compiler_params=plgpu.CompilerParams(num_warps=EPILOGUE_WARPS),
+        compiler_params=plgpu.CompilerParams(num_warps=warps),
         interpret=interpret,
     )(scalars, stats)
     if _direct(plan):  # whole query blocks of the rows, a unit a key block

@@ -198,12 +198,13 @@ MAX_SCRATCH_BYTES = ONE_PASS_WHOLE_CALL_BYTES
 EPILOGUE_LOOPS = 16
 # The epilogue as one Triton-backend kernel over the statistics (`EstimatePlan.
 # stats_epilogue`): in whole causal calls, whose folded statistics XLA unfolds in several
-# reductions. H200, block sums, medians of 3 rotating rounds under sustained load, XLA /
-# kernel (session 33): causal 32K 1.0183 / 1.0035 ms, 64K 3.7939 / 3.7638, 128K 15.465 /
-# 15.299 (the epilogue's kernels 49.4 -> 29.3 us at 32K, 158.2 -> 100.7 at 64K). Where
-# its programs walk many key tiles one at a time it lost: non-causal 64K block 128 /
-# 64 / 4096 -0.4 / 0.0 / +0.4%, the 4096-query chunk over 64K / 128K +2.7 / +3.6%
-# (30.7 us against 3 reductions of 12), causal 1M's row steps +1.4%.
+# reductions. H200, block sums of the default plans, medians of rotating rounds under
+# sustained load, XLA / kernel (session 33, two calls): causal 32K 1.0183 / 1.0035 ms and
+# 1.0290 / 1.0129, 64K 3.7939 / 3.7638 and 3.8336 / 3.8003, 128K 15.465 / 15.299 (the
+# epilogue's kernels 49.4 -> 29.3 us at 32K, 158.2 -> 100.7 at 64K). Elsewhere within
+# the spread or slower, with several key tiles a step (`mosaic.epilogue`): the
+# 4096-query chunk over 64K / 128K -0.2 / +0.2-0.3% (its epilogue 12 -> 6.5 us),
+# non-causal 64K block 128 / 64 -0.1-+0.1 / +0.7-0.8%, causal 1M's row steps +0.25%.
 FOLDED_STATS_EPILOGUE = True
 # SMs of an H100 SXM / H200: the SM count where the default device does not say its own
 # (`device_sms`), which sizes row steps' waves, key groups and the persistent grid
