@@ -9,8 +9,8 @@ unfolding); here one program per (batch, head, row tile) walks its row tile's ke
 twice, reading them where the kernel stored them (`folded_place` with `plan.fold`):
 
 1. M and L together, as a running maximum and a rescaled running sum (2 planes a tile);
-2. per key tile, its unit sums `[P, rows]` weighed and summed over each query block's rows, stored as
-   block sums (0 for key tiles the row tile does not see).
+2. per key tile, its unit sums `[P, rows]` weighed and summed over each query block's
+   rows, stored as block sums (0 for key tiles the row tile does not see).
 
 Each pass reads several key tiles at once (`tiles_per_step`), so that a program walking
 many (a chunk over a long context, a row step of 1M) is not bound by one load's latency
@@ -81,15 +81,17 @@ def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool
         slot = t if late is None else jnp.where(late, plan.fold_slots - 1 - t, t)
         return jnp.clip(slot, 0, plan.stats_shape[2] - 1), t < seen
 
+    def plane(slots, inside, index, other):
+        """Plane `index` of the key tiles at `slots` (`[n]`), `other` where the row tile
+        does not see them: `[n, rows]`."""
+        return plgpu.load(stats_ref.at[slots[:, None], index, stat_rows[None, :]],
+                          mask=inside[:, None], other=other)
+
     def running(step, carry):
         row_max, row_sum = carry
         slots, inside = tiles(step * max_tiles, max_tiles)
-        where = inside[:, None]
-        at = (slots[:, None], stat_rows[None, :])
-        maxes = plgpu.load(stats_ref.at[at[0], 0, at[1]], mask=where,
-                           other=-jnp.inf)  # [max_tiles, rows]
-        totals = plgpu.load(stats_ref.at[at[0], total_plane, at[1]], mask=where,
-                            other=0.0)
+        maxes = plane(slots, inside, 0, -jnp.inf)
+        totals = plane(slots, inside, total_plane, 0.0)
         new_max = jnp.maximum(row_max, maxes.max(axis=0))
         row_sum = (row_sum * jnp.exp2(row_max - new_max)
                    + (totals * jnp.exp2(maxes - new_max[None, :])).sum(axis=0))
@@ -105,8 +107,7 @@ def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool
         """Key tiles step x sum_tiles ..: their unit sums weighed, summed into chunks of
         rows, stored (0 for tiles the row tile does not see)."""
         slots, inside = tiles(step * sum_tiles, sum_tiles)
-        maxes = plgpu.load(stats_ref.at[slots[:, None], 0, stat_rows[None, :]],
-                           mask=inside[:, None], other=-jnp.inf)  # [sum_tiles, rows]
+        maxes = plane(slots, inside, 0, -jnp.inf)
         sums = plgpu.load(stats_ref.at[slots[:, None, None],
                                        1 + jnp.arange(units)[None, :, None],
                                        stat_rows[None, None, :]],

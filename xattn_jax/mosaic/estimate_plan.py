@@ -1004,7 +1004,7 @@ def estimate_plan(geom: Geometry, dtype, *, causal: bool = False,
                          f"rows all see every key tile); got {epilogue_loops}")
     plan = dataclasses.replace(plan, epilogue_loops=epilogue_loops)
     if stats_epilogue is None:
-        stats_epilogue = default_stats_epilogue(plan, causal)
+        stats_epilogue = default_stats_epilogue(plan)
     if stats_epilogue and not stats_epilogue_takes(plan):
         raise ValueError(f"stats_epilogue needs block_k ({block_k}) and a block's reshaped "
                          f"rows ({geom.block_rows}) to be powers of two (Triton's tiles)")
@@ -1319,10 +1319,9 @@ def stats_epilogue_takes(plan: EstimatePlan) -> bool:
     return all(n & (n - 1) == 0 for n in (plan.block_k, plan.geom.block_rows))
 
 
-def default_stats_epilogue(plan: EstimatePlan, causal: bool) -> bool:
+def default_stats_epilogue(plan: EstimatePlan) -> bool:
     """FOLDED_STATS_EPILOGUE for folded statistics (a whole causal call) the kernel
     takes (`stats_epilogue_takes`); XLA's reductions elsewhere."""
-    del causal  # folded statistics are causal
     return FOLDED_STATS_EPILOGUE and plan.fold and stats_epilogue_takes(plan)
 
 
