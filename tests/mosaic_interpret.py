@@ -12,6 +12,11 @@ supplies the two, for its duration only:
 - the interpreter's wgmma rule accepts an array left operand: acc += a @ b, with b and acc
   read from the simulated memory.
 
+The forced GPU interpret mode applies to every `pallas_call` traced within, the Triton-backend
+statistics epilogue (`xattn_jax.mosaic.epilogue`) included, whose blocked windows the
+Mosaic GPU interpreter refuses (jax 0.12); within, that kernel runs in Pallas' own interpret
+mode instead, so that a call's whole path is still checked.
+
 Test-only: it replaces private jax internals, so `unsupported_reason()` says when this jax
 does not have them.
 
@@ -93,6 +98,18 @@ def _wgmma_rule(original):
     return rule
 
 
+def _epilogue_interpreted(original, plgpu):
+    """`epilogue.stats_block_sums` traced outside the forced GPU interpret mode, with
+    Pallas' own interpret mode."""
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        with plgpu.force_gpu_interpret_mode(None):
+            return original(*args, **kwargs, interpret=True)
+
+    return call
+
+
 class _PallasWithScopedRunState:
     """`jax.experimental.pallas` with run_state on an accumulator done by run_scoped."""
 
@@ -118,19 +135,22 @@ class _PallasWithScopedRunState:
 
 @contextlib.contextmanager
 def interpret_kernel(detect_races: bool = True):
-    """Within: calls of `xattn_jax.mosaic.kernel` run in GPU interpret mode on CPU. Yields
+    """Within: calls of `xattn_jax.mosaic.kernel` run in GPU interpret mode on CPU, the
+    statistics epilogue's kernel in Pallas' interpret mode. Yields
     a function returning whether the race detector found a race. Clears jax's caches on
     exit so that no interpreted trace is reused outside."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from xattn_jax.mosaic import kernel
+    from xattn_jax.mosaic import epilogue, kernel
 
     interpreter = jaxpr_interpret.JaxprInterpreter
     original_rule = interpreter._interpret_wgmma_ref_p
     interpreter._interpret_wgmma_ref_p = _wgmma_rule(original_rule)
     kernel.pl = _PallasWithScopedRunState(pl, plgpu)
+    stats_block_sums = epilogue.stats_block_sums
+    epilogue.stats_block_sums = _epilogue_interpreted(stats_block_sums, plgpu)
     jax.clear_caches()
     try:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(
@@ -138,5 +158,6 @@ def interpret_kernel(detect_races: bool = True):
             yield lambda: bool(gpu_callbacks.get_races().races_found)
     finally:
         kernel.pl = pl
+        epilogue.stats_block_sums = stats_block_sums
         interpreter._interpret_wgmma_ref_p = original_rule
         jax.clear_caches()

@@ -1137,8 +1137,10 @@ def test_kernel_lowers_with_keys_in_use_pages_and_row_steps(page_size):
     long = (1, 32, 8, 131072, 131072, 128, 8, 128)
     stepped = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16, call_rows=8192)
     assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, stepped)
+    # the statistics epilogue's Triton-backend kernel lowers only where a GPU is present
+    # (jax 0.12 on CPU: "No supported GPU devices found"): the GPU tests run it
     heads = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16, causal=True,
-                                        max_scratch_bytes=64 << 20)
+                                        max_scratch_bytes=64 << 20, stats_epilogue=False)
     assert heads.call_heads == 1
     assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, heads)
 
