@@ -12,6 +12,7 @@ kernel.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import re
@@ -332,6 +333,11 @@ def test_fold_defaults_and_refusals():
         plan(1 << 20, 1 << 20, causal=True, fold=True)  # a head's exceed 1.5 GiB
 
 
+# the epilogue kernel compiled and marked `gpu` on a GPU, in Pallas interpret mode elsewhere
+EPILOGUE_MODES = [pytest.param(False, marks=pytest.mark.gpu, id="compiled")
+                  if jax.default_backend() == "gpu" else pytest.param(True, id="interpret")]
+
+
 # (Lq, Lk, block_size, causal, fold, call_rows, first_row, keys in use, whether any):
 # folded causal calls (query blocks of 16 and 8 rows, and of 2 row tiles: block 2048),
 # an unfolded one, a causal row step, keys in use ending inside a key tile, padded rows
@@ -347,13 +353,14 @@ def test_fold_defaults_and_refusals():
     (1000, 3000, 1024, False, False, None, 0, None, True),
     (2048, 8192, 128, False, False, None, 0, 0, False),
 ])
+@pytest.mark.parametrize("interpret", EPILOGUE_MODES)
 def test_stats_epilogue_equals_xla_epilogue(q_len, k_len, block_size, causal, fold,
-                                            call_rows, first_row, cols, sees_keys):
-    """The epilogue as one kernel (`mosaic.epilogue.stats_block_sums`, Pallas interpret
-    mode) gives the XLA epilogue's block sums (`_folded_block_sums`, or `_planes` and
-    `combine`) within float32 rounding, folded or not, in a row step, with keys in use,
-    and zeros without keys; it never reads the entries of key tiles a row tile does not
-    see (NaN here)."""
+                                            call_rows, first_row, cols, sees_keys, interpret):
+    """The epilogue as one kernel (`mosaic.epilogue.stats_block_sums`; compiled on a GPU,
+    else in Pallas interpret mode) gives the XLA epilogue's block sums
+    (`_folded_block_sums`, or `_planes` and `combine`) within float32 rounding, folded or
+    not, in a row step, with keys in use, and zeros without keys; it never reads the
+    entries of key tiles a row tile does not see (NaN here)."""
     from xattn_jax.mosaic import epilogue
 
     geom = _geom(1, 2, 1, q_len, k_len, 64, 8, block_size, causal)
@@ -380,7 +387,7 @@ def test_stats_epilogue_equals_xla_epilogue(q_len, k_len, block_size, causal, fo
     scalars = jnp.array([cols, first_row, sees_keys], jnp.int32)
     got = np.asarray(epilogue.stats_block_sums(jnp.asarray(given), scalars, plan=plan,
                                                causal=causal, q_blocks=q_blocks,
-                                               interpret=True))
+                                               interpret=interpret))
     want = np.asarray(want)
     assert got.shape == want.shape == (1, 2, q_blocks, geom.k_blocks)
     assert not np.isnan(got).any()
@@ -1088,6 +1095,20 @@ LOWERING_CASES += [  # paired row tiles: R = 4; R = 3 with Lq < Lk; S 16, R = 3;
 ]
 
 
+def _lower_for_an_h200(fn, *args) -> str:
+    """The text of the module jit lowers for CUDA from fn on abstract args. The Triton
+    backend's lowering (the statistics epilogue's kernel) asks the device for its compute
+    capability: jax >= 0.11 is told of an H200 by an abstract mesh (without it, on a CPU:
+    "No supported GPU devices found"); older jax assumes compute capability 9.0 itself."""
+    target = contextlib.nullcontext()
+    if hasattr(jax.sharding, "AbstractDevice"):
+        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+            (1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
+            abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")))
+    with target:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _lower(shape, causal, plan):
     """The text of the module jit lowers for CUDA: block_sums on bf16 q and k."""
     batch, q_heads, kv_heads, q_len, k_len, dim, _, _ = shape
@@ -1097,7 +1118,7 @@ def _lower(shape, causal, plan):
     def call(q, k):
         return block_sums.block_sums(q, k, plan=plan, causal=causal, norm=1.0)
 
-    return jax.jit(call).trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
+    return _lower_for_an_h200(call, q, k)
 
 
 @needs_mosaic_gpu
@@ -1116,7 +1137,8 @@ def test_kernel_lowers_for_cuda(shape, causal, options):
 def test_kernel_lowers_with_keys_in_use_pages_and_row_steps(page_size):
     """The chunk scores' call (a traced key count; a contiguous buffer or pages of 4096
     and 1024 tokens: key tiles of 256 and 128 columns) and a causal call of 128K in row
-    steps and, within 64 MiB, in head steps lower for CUDA."""
+    steps and, within 64 MiB, in head steps (with the folded statistics' epilogue kernel)
+    lower for CUDA."""
     geom = _geom(1, 32, 8, 4096, 65536, 128, 8, 1024, False)
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, page_size=page_size)
     q = jax.ShapeDtypeStruct((1, 32, 4096, 128), jnp.bfloat16)
@@ -1131,18 +1153,16 @@ def test_kernel_lowers_with_keys_in_use_pages_and_row_steps(page_size):
         return block_sums.block_sums(q, k, plan=plan, causal=False, norm=1.0, key_len=count,
                                      block_table=table)
 
-    text = jax.jit(chunk).trace(q, k, count, table).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.custom_call @mosaic_gpu" in text
+    assert "stablehlo.custom_call @mosaic_gpu" in _lower_for_an_h200(chunk, q, k, count, table)
     long = (1, 32, 8, 131072, 131072, 128, 8, 128)
     stepped = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16, call_rows=8192)
     assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, stepped)
-    # the statistics epilogue's Triton-backend kernel lowers only where a GPU is present
-    # (jax 0.12 on CPU: "No supported GPU devices found"): the GPU tests run it
     heads = estimate_plan.estimate_plan(_geom(*long, True), jnp.bfloat16, causal=True,
-                                        max_scratch_bytes=64 << 20, stats_epilogue=False)
-    assert heads.call_heads == 1
-    assert "stablehlo.custom_call @mosaic_gpu" in _lower(long, True, heads)
+                                        max_scratch_bytes=64 << 20)
+    assert heads.call_heads == 1 and heads.fold and heads.stats_epilogue
+    text = _lower(long, True, heads)
+    assert "stablehlo.custom_call @mosaic_gpu" in text
+    assert "xla.gpu.triton" in text  # the statistics epilogue's kernel
 
 
 @needs_mosaic_gpu

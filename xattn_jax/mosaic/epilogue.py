@@ -81,17 +81,19 @@ def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool
         slot = t if late is None else jnp.where(late, plan.fold_slots - 1 - t, t)
         return jnp.clip(slot, 0, plan.stats_shape[2] - 1), t < seen
 
-    def plane(slots, inside, index, other):
-        """Plane `index` of the key tiles at `slots` (`[n]`), `other` where the row tile
-        does not see them: `[n, rows]`."""
-        return plgpu.load(stats_ref.at[slots[:, None], index, stat_rows[None, :]],
-                          mask=inside[:, None], other=other)
+    def plane(at, where, index, other):
+        """Plane `index` of key tiles, `[n, rows]`: at, the gather's slots `[n, 1]` and
+        rows `[1, rows]`; `other` where `where` (`[n, 1]`: the row tile sees the tile)
+        is False."""
+        return plgpu.load(stats_ref.at[at[0], index, at[1]], mask=where, other=other)
 
     def running(step, carry):
         row_max, row_sum = carry
         slots, inside = tiles(step * max_tiles, max_tiles)
-        maxes = plane(slots, inside, 0, -jnp.inf)
-        totals = plane(slots, inside, total_plane, 0.0)
+        where = inside[:, None]
+        at = (slots[:, None], stat_rows[None, :])  # both planes' gather
+        maxes = plane(at, where, 0, -jnp.inf)
+        totals = plane(at, where, total_plane, 0.0)
         new_max = jnp.maximum(row_max, maxes.max(axis=0))
         row_sum = (row_sum * jnp.exp2(row_max - new_max)
                    + (totals * jnp.exp2(maxes - new_max[None, :])).sum(axis=0))
@@ -107,7 +109,7 @@ def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool
         """Key tiles step x sum_tiles ..: their unit sums weighed, summed into chunks of
         rows, stored (0 for tiles the row tile does not see)."""
         slots, inside = tiles(step * sum_tiles, sum_tiles)
-        maxes = plane(slots, inside, 0, -jnp.inf)
+        maxes = plane((slots[:, None], stat_rows[None, :]), inside[:, None], 0, -jnp.inf)
         sums = plgpu.load(stats_ref.at[slots[:, None, None],
                                        1 + jnp.arange(units)[None, :, None],
                                        stat_rows[None, None, :]],
