@@ -229,10 +229,10 @@ def test_paired_row_tiles_balance_the_causal_triangle(q_len, k_len, stride, bloc
         assert tiles[first[alone]].item() <= (pairs.min() if len(pairs) else tiles.max())
 
 
-def _random_stats(shape, units: int) -> np.ndarray:
+def _random_stats(shape, units: int, rng=None) -> np.ndarray:
     """Statistics of `shape` (`[B, H, T, planes, R]`) as the kernel writes them: maxima
-    around 0, unit sums in [0, 1), their totals."""
-    rng = np.random.default_rng(0)
+    around 0, unit sums in [0, 1), their totals. rng: a numpy Generator (else seed 0)."""
+    rng = np.random.default_rng(0) if rng is None else rng
     stats = rng.random(shape, np.float32)
     stats[:, :, :, 0] = rng.normal(size=stats[:, :, :, 0].shape) * 3  # maxima
     if units > 1:
@@ -361,22 +361,71 @@ def test_stats_epilogue_equals_xla_epilogue(q_len, k_len, block_size, causal, fo
     (`_folded_block_sums`, or `_planes` and `combine`) within float32 rounding, folded or
     not, in a row step, with keys in use, and zeros without keys; it never reads the
     entries of key tiles a row tile does not see (NaN here)."""
-    from xattn_jax.mosaic import epilogue
-
     geom = _geom(1, 2, 1, q_len, k_len, 64, 8, block_size, causal)
     options = {"causal": causal, "fold": fold, "call_rows": call_rows,
                "stats_epilogue": True}
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
     assert plan.stats_epilogue and plan.fold == fold and plan.call_rows == (call_rows or 0)
     cols = geom.k_cols if cols is None else cols
+    got, want = _epilogue_block_sums(plan, causal, cols, first_row, sees_keys, interpret)
     q_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks
-    if fold:
-        unfolded = estimate_plan.estimate_plan(geom, jnp.bfloat16, **{**options, "fold": False})
-        stats = _random_stats(unfolded.stats_shape, plan.units_per_tile)
-        given = _folded(plan, stats)
+    assert got.shape == want.shape == (1, 2, q_blocks, geom.k_blocks)
+    assert not np.isnan(got).any()
+    if sees_keys:
+        assert npr.rel_err(got, want) <= F32_RTOL
+    else:
+        assert not got.any() and not want.any()
+
+
+@pytest.mark.parametrize("interpret", EPILOGUE_MODES)
+def test_stats_epilogue_on_random_geometries(rand, interpret):
+    """As above on 6 geometries drawn at random (batch, GQA, Lq <= Lk with partial stride
+    groups, strides 4-16, blocks 64-2048, key tiles of 64-256 columns, streamed or
+    resident queries, folded or plain, keys in use), random statistics included."""
+    rng, checked = rand.rng, 0
+    while checked < 6:
+        stride = int(rng.choice([4, 8, 16]))
+        block = int(rng.choice([64, 128, 256, 512, 1024, 2048]))
+        k_len = int(rng.integers(1, 12)) * 512 + int(rng.choice([0, 37, 500]))
+        causal = bool(rng.integers(2))
+        q_len = k_len if causal and rng.random() < 0.6 else min(
+            k_len, int(rng.integers(1, k_len // 256 + 2)) * 256)
+        heads = [(2, 1), (2, 2), (4, 2), (3, 1)][rng.integers(4)]
+        options = {"causal": causal, "stats_epilogue": True,
+                   "block_k": int(rng.choice([64, 128, 256])),
+                   "queries": str(rng.choice(QUERY_LAYOUTS))}
+        try:
+            geom = _geom(int(rng.integers(1, 3)), *heads, q_len, k_len,
+                         int(rng.choice([64, 128])), stride, block, causal)
+            plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, **options)
+        except ValueError:  # a drawn block or tile the plan refuses
+            continue
+        cols = geom.k_cols
+        if not causal and rng.random() < 0.4:
+            cols = int(rng.integers(1, geom.k_cols + 1))
+        got, want = _epilogue_block_sums(plan, causal, cols, 0, True, interpret, rng)
+        where = f"{geom} {options} fold={plan.fold} cols={cols} {rand}"
+        assert got.shape == want.shape and not np.isnan(got).any(), where
+        assert npr.rel_err(got, want) <= F32_RTOL, where
+        checked += 1
+
+
+def _epilogue_block_sums(plan, causal: bool, cols: int, first_row: int, sees_keys: bool,
+                         interpret: bool, rng=None) -> tuple[np.ndarray, np.ndarray]:
+    """Block sums of random statistics in `plan`'s layout (NaN at the entries of key
+    tiles a row tile does not see): the epilogue kernel's and XLA's (`_folded_block_sums`,
+    or `_planes` and `combine`), for a call from reshaped query row `first_row` with
+    `cols` key columns in use."""
+    from xattn_jax.mosaic import epilogue
+
+    geom = plan.geom
+    q_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks
+    if plan.fold:
+        unfolded = dataclasses.replace(plan, fold=False)
+        given = _folded(plan, _random_stats(unfolded.stats_shape, plan.units_per_tile, rng))
         want = block_sums._folded_block_sums(jnp.asarray(given), plan, sees_keys)
     else:
-        given = _random_stats(plan.stats_shape, plan.units_per_tile)
+        given = _random_stats(plan.stats_shape, plan.units_per_tile, rng)
         row0 = first_row + np.arange(given.shape[-1] // plan.rows) * plan.rows
         for i, seen in enumerate(estimate_plan.visible_tiles(plan, causal, row0, cols)):
             given[:, :, seen:, :, i * plan.rows:(i + 1) * plan.rows] = np.nan
@@ -385,16 +434,9 @@ def test_stats_epilogue_equals_xla_epilogue(q_len, k_len, block_size, causal, fo
         want = row_statistics.combine(*planes, geom, plan.unit, first_row, q_blocks,
                                       sees_keys)
     scalars = jnp.array([cols, first_row, sees_keys], jnp.int32)
-    got = np.asarray(epilogue.stats_block_sums(jnp.asarray(given), scalars, plan=plan,
-                                               causal=causal, q_blocks=q_blocks,
-                                               interpret=interpret))
-    want = np.asarray(want)
-    assert got.shape == want.shape == (1, 2, q_blocks, geom.k_blocks)
-    assert not np.isnan(got).any()
-    if sees_keys:
-        assert npr.rel_err(got, want) <= F32_RTOL
-    else:
-        assert not got.any() and not want.any()
+    got = epilogue.stats_block_sums(jnp.asarray(given), scalars, plan=plan, causal=causal,
+                                    q_blocks=q_blocks, interpret=interpret)
+    return np.asarray(got), np.asarray(want)
 
 
 def test_stats_epilogue_defaults_and_refusal():
