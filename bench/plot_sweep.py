@@ -5,31 +5,25 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
+
+from bench.plotting import records_and_output
 
 _CASE = re.compile(r"noncausal-(\d+k)-b(\d+)$")
 
 
 def main(argv=None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        sys.exit("usage: python -m bench.plot_sweep RESULTS.json OUT.png")
-    import matplotlib
-
-    matplotlib.use("Agg")
+    records, out = records_and_output(argv, "python -m bench.plot_sweep RESULTS.json OUT.png")
     import matplotlib.pyplot as plt
 
-    with open(args[0]) as f:
-        records = json.load(f)
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in records:
         match = _CASE.match(r["case"])
         if match:
             series.setdefault((r["impl"], match[1]), []).append((int(match[2]), r["ms"]))
     if not series:
-        sys.exit(f"{args[0]} has no noncausal-<length>-b<block> records")
+        sys.exit("no noncausal-<length>-b<block> records")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lengths = sorted({length for _, length in series}, key=lambda n: int(n[:-1]))
     colors = dict(zip(lengths, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
@@ -47,7 +41,7 @@ def main(argv=None) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args[1], dpi=120)
+    fig.savefig(out, dpi=120)
 
 
 if __name__ == "__main__":

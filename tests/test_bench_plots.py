@@ -1,0 +1,33 @@
+"""The benchmark plots from records (CPU only: no kernel runs)."""
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from bench.plot_side_by_side import side_by_side_figure  # noqa: E402
+
+
+def _record(case, impl, ms, floor_ms, same_run=None):
+    record = {"case": case, "impl": impl, "ms": ms, "floor_ms": floor_ms,
+              "gpu": "NVIDIA H200", "date": "2026-12-03"}
+    if same_run is not None:
+        record["same_run_floor_ms"] = same_run
+    return record
+
+
+def test_side_by_side_bars_are_time_over_floor_grouped_by_implementation():
+    records = [
+        _record("causal-32k", "xattn-jax-mosaic (call 2)", 1.0, 0.5, 0.55),
+        _record("causal-32k", "original", 4.0, 0.5),
+        _record("causal-32k", "xattn-jax-triton", 1.5, 0.5, 0.55),
+        _record("causal-1m", "xattn-jax-mosaic (call 4)", 900.0, 750.0, 820.0),
+    ]
+    ax = side_by_side_figure(records).axes[0]
+    bars = {c.get_label(): [b.get_height() for b in c] for c in ax.containers}
+    assert list(bars) == ["original", "xattn-jax-triton", "xattn-jax-mosaic"]
+    assert bars["original"] == pytest.approx([8.0])
+    assert bars["xattn-jax-triton"] == pytest.approx([3.0])
+    assert bars["xattn-jax-mosaic"] == pytest.approx([2.0, 1.2])  # both calls, one series
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["causal-32k", "causal-1m"]
+    ticks = sorted(y for collection in ax.collections for _, y in collection.get_offsets())
+    assert ticks == pytest.approx(sorted([1.1, 1.1, 820 / 750]))
