@@ -58,7 +58,7 @@ def side_by_side_figure(records: list[dict]):
 
 
 def main(argv=None) -> None:
-    records, out = records_and_output(
+    records, _, out = records_and_output(
         argv, "python -m bench.plot_side_by_side RESULTS.json OUT.png")
     side_by_side_figure(records).savefig(out, dpi=130)
 

@@ -14,7 +14,8 @@ _CASE = re.compile(r"noncausal-(\d+k)-b(\d+)$")
 
 
 def main(argv=None) -> None:
-    records, out = records_and_output(argv, "python -m bench.plot_sweep RESULTS.json OUT.png")
+    records, source, out = records_and_output(
+        argv, "python -m bench.plot_sweep RESULTS.json OUT.png")
     import matplotlib.pyplot as plt
 
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
@@ -23,7 +24,7 @@ def main(argv=None) -> None:
         if match:
             series.setdefault((r["impl"], match[1]), []).append((int(match[2]), r["ms"]))
     if not series:
-        sys.exit("no noncausal-<length>-b<block> records")
+        sys.exit(f"{source} has no noncausal-<length>-b<block> records")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lengths = sorted({length for _, length in series}, key=lambda n: int(n[:-1]))
     colors = dict(zip(lengths, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
