@@ -24,13 +24,18 @@ def _impl(record: dict) -> str:
 def side_by_side_figure(records: list[dict]):
     """The figure of `records` (dicts with case, impl, ms, floor_ms, gpu, date and,
     optionally, same_run_floor_ms): one bar container per implementation, in IMPL_ORDER
-    (others after, by name)."""
+    (others after, by name). A ValueError where two records share a case and an
+    implementation."""
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys(r["case"] for r in records))
     found = {_impl(r) for r in records}
     impls = [i for i in IMPL_ORDER if i in found] + sorted(found - set(IMPL_ORDER))
-    by_key = {(r["case"], _impl(r)): r for r in records}
+    by_key = {}
+    for r in records:
+        if by_key.setdefault((r["case"], _impl(r)), r) is not r:
+            raise ValueError(f"records: two of case {r['case']!r} and implementation "
+                             f"{_impl(r)!r}; a case takes one bar an implementation")
     width = 0.8 / len(impls)
     highest = max(r["ms"] / r["floor_ms"] for r in records)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(cases)), 4.8))

@@ -31,3 +31,10 @@ def test_side_by_side_bars_are_time_over_floor_grouped_by_implementation():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["causal-32k", "causal-1m"]
     ticks = sorted(y for collection in ax.collections for _, y in collection.get_offsets())
     assert ticks == pytest.approx(sorted([1.1, 1.1, 820 / 750]))
+
+
+def test_side_by_side_refuses_two_records_of_one_bar():
+    records = [_record("causal-32k", "xattn-jax-mosaic (call 2)", 1.0, 0.5),
+               _record("causal-32k", "xattn-jax-mosaic (call 3)", 1.1, 0.5)]
+    with pytest.raises(ValueError, match="causal-32k.*xattn-jax-mosaic"):
+        side_by_side_figure(records)
