@@ -1,0 +1,400 @@
+"""XAttention's quality on a real model and real text: `python -m bench.model_quality`.
+
+The model is SmolLM2-135M-Instruct (`bench.smollm2`) run by the JAX forward of
+`bench.llama` (equal to the transformers model: tests/test_real_model.py), on the first
+`--length` tokens of a real text (`bench.texts`). Every setting replaces the prefill's
+attention in all layers; the reference is the same forward with dense attention. Scored
+over the second half of the text (each position predicting the next token):
+- ppl: perplexity change against dense, in %;
+- top-1: the share of positions whose most likely next token is dense's;
+- KL: KL(dense || setting) per position, mean and 99th percentile;
+- density: the share of the causally visible (query block, key block) pairs computed,
+  mean over layers and heads (per layer in the JSON records);
+- the passkey grid (`--passkey`): a needle at depths 10-90% of a `--passkey-length`
+  prompt; the answer's log-probability when prefilled (teacher-forced), and whether
+  greedy decoding (dense attention over the cache after the prefill) writes it.
+
+Settings (`SETTINGS`, or `--settings a,b`): "dense"; the estimate's rule at a threshold
+and stride; and "oracle" rows, which apply the same selection rule to the exact block
+mass of the true attention (what no estimate can beat: the loss the rule itself causes).
+
+    python -m bench.model_quality --text python-docs --length 8192 --passkey
+    python -m bench.model_quality --smoke        # CPU, a few settings at 512 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xattn_jax
+from bench import llama, smollm2, texts
+from bench.common import gpu_name, log, today, versions
+
+PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+PASSKEY_KEYS = (71432, 38517, 90264, 46871, 25309, 63148, 17952, 84036, 52790)
+KEPT_NATS = 1.0  # a passkey is kept when its log-prob is at most this below dense's
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One way to run the prefill's attention.
+
+    rule: "dense", "estimate" (xattn_estimate's block sums) or "oracle" (the exact block
+    mass of the true attention), selected by xattn_jax's threshold rule, on blocks of
+    `block_size` tokens (the estimate with `stride` and `norm`). Levers, passed as data
+    (no recompilation): threshold, a float or a `[layers, Hq]` table; dense_last, the
+    last query blocks keep every block they may see; min_blocks, each row keeps at least
+    its highest-scoring blocks; dense_layers, layers run densely.
+    """
+
+    name: str
+    rule: str = "estimate"
+    threshold: float | tuple = 0.9
+    stride: int = 8
+    block_size: int = 128
+    norm: float = 1.0
+    dense_last: int = 0
+    min_blocks: int = 0
+    dense_layers: tuple = ()
+
+    @property
+    def kernel(self) -> tuple:
+        """What the compiled prefill depends on (the rest is data)."""
+        return self.rule, self.stride, self.block_size, self.norm
+
+    def layer_data(self, cfg: llama.LlamaConfig) -> dict:
+        """The levers per layer: threshold float32 `[layers, Hq]` (above 1 in the dense
+        layers: every allowed block), dense_last and min_blocks int32 `[layers]`."""
+        t = np.broadcast_to(np.asarray(self.threshold, np.float32), (cfg.layers, cfg.heads))
+        t = t.copy()
+        t[list(self.dense_layers)] = 2.0
+        per_layer = functools.partial(np.full, cfg.layers, dtype=np.int32)
+        return {"threshold": jnp.asarray(t), "dense_last": per_layer(self.dense_last),
+                "min_blocks": per_layer(self.min_blocks)}
+
+
+def grid(rule: str, thresholds, **kw) -> list[Setting]:
+    tag = "" if not kw else " " + " ".join(f"{k}={v}" for k, v in kw.items())
+    return [Setting(f"{rule} {t}{tag}", rule, t, **kw) for t in thresholds]
+
+
+SETTINGS = ([Setting("dense", "dense")]
+            + grid("estimate", (0.8, 0.9, 0.95, 0.97, 0.99))
+            + grid("estimate", (0.9, 0.95), stride=16)
+            + grid("oracle", (0.8, 0.9, 0.95, 0.97, 0.99)))
+SMOKE = [Setting("dense", "dense"), Setting("estimate 0.9", block_size=64, stride=8),
+         Setting("oracle 0.9", "oracle", block_size=64)]
+
+
+# --- masks -----------------------------------------------------------------------------
+
+def exact_block_mass(q, k, block_size: int, scale: float) -> jax.Array:
+    """The true causal attention's mass per (query block, key block): float32
+    `[B, Hq, qb, kb]` for q `[B, Hq, L, D]`, k `[B, Hkv, L, D]` (Lq = Lk)."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, n, d).astype(jnp.float32)
+    s = jnp.einsum("bkgid,bkjd->bkgij", qg, k.astype(jnp.float32)) * scale
+    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).reshape(b, hq, n, n)
+    blocks = -(-n // block_size)
+    pad = blocks * block_size - n
+    p = jnp.pad(p, ((0, 0), (0, 0), (0, pad), (0, pad)))
+    return p.reshape(b, hq, blocks, block_size, blocks, block_size).sum(axis=(3, 5))
+
+
+def causal_allowed(blocks: int) -> jax.Array:
+    return jnp.tril(jnp.ones((blocks, blocks), bool))
+
+
+def apply_levers(mask, sums, levers: dict) -> jax.Array:
+    """dense_last and min_blocks (int32 scalars, data) on a selected mask
+    `[B, Hq, qb, kb]`; sums: the scores it was selected on."""
+    qb = mask.shape[-2]
+    allowed = causal_allowed(qb)
+    ranked = jnp.where(allowed, sums, -1.0)
+    descending = -jnp.sort(-ranked, axis=-1)
+    kth = jnp.take(descending, jnp.maximum(levers["min_blocks"] - 1, 0), axis=-1)[..., None]
+    mask = mask | (allowed & (ranked >= kth) & (levers["min_blocks"] > 0))
+    last = jnp.arange(qb)[:, None] >= qb - levers["dense_last"]
+    return mask | (allowed & last)
+
+
+def select(q, k, levers: dict, kernel: tuple, scale: float):
+    """The mask `[B, Hq, qb, kb]` of a (rule, stride, block_size, norm) and its levers."""
+    rule, stride, bs, norm = kernel
+    if rule == "oracle":
+        sums = exact_block_mass(q, k, bs, scale)
+        mask = xattn_jax.select_blocks(sums, levers["threshold"], causal=True)
+    else:
+        sums, mask = xattn_jax.xattn_estimate(q, k, block_size=bs, stride=stride,
+                                              threshold=levers["threshold"], causal=True,
+                                              norm=norm)
+    return apply_levers(mask, sums, levers)
+
+
+def density_per_head(mask) -> jax.Array:
+    """float32 `[Hq]`: the share of causally visible blocks a mask keeps."""
+    allowed = causal_allowed(mask.shape[-1])
+    kept = (mask & allowed).sum(axis=(0, 2, 3))
+    return (kept / (allowed.sum() * mask.shape[0])).astype(jnp.float32)
+
+
+def make_attention(kernel: tuple, cfg: llama.LlamaConfig):
+    """The prefill attention of a setting's kernel: `(q, k, v, levers) -> (out,
+    density)`, density float32 `[Hq]`."""
+    if kernel[0] == "dense":
+        def dense(q, k, v, levers):
+            del levers
+            return llama.dense_attention(q, k, v, scale=cfg.scale), jnp.ones(q.shape[1])
+        return dense
+    bs = kernel[2]
+
+    def attention(q, k, v, levers):
+        mask = select(q, k, levers, kernel, cfg.scale)
+        out = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=bs, causal=True,
+                                               scale=cfg.scale)
+        return out, density_per_head(mask)
+
+    return attention
+
+
+# --- metrics ---------------------------------------------------------------------------
+
+@jax.jit
+def _scores(dense_logits, logits, targets):
+    """Per position: dense's and the setting's NLL of the target, KL(dense || setting),
+    and whether the top-1 tokens agree. logits float32 `[P, V]`, targets int `[P]`."""
+    ld = jax.nn.log_softmax(dense_logits, axis=-1)
+    ls = jax.nn.log_softmax(logits, axis=-1)
+    nll_d = -jnp.take_along_axis(ld, targets[:, None], axis=-1)[:, 0]
+    nll_s = -jnp.take_along_axis(ls, targets[:, None], axis=-1)[:, 0]
+    kl = jnp.sum(jnp.exp(ld) * (ld - ls), axis=-1)
+    agree = jnp.argmax(ld, axis=-1) == jnp.argmax(ls, axis=-1)
+    return nll_d, nll_s, kl, agree
+
+
+def text_metrics(dense_logits, logits, tokens) -> dict:
+    """Scores over the second half: positions n/2 .. n-2 predicting tokens n/2+1 .. n-1."""
+    n = tokens.shape[0]
+    start = n // 2
+    nll_d, nll_s, kl, agree = (np.asarray(x) for x in _scores(
+        dense_logits[start:n - 1], logits[start:n - 1], tokens[start + 1:]))
+    ppl_d, ppl_s = float(np.exp(nll_d.mean())), float(np.exp(nll_s.mean()))
+    return {"ppl": ppl_s, "ppl_change_pct": 100 * (ppl_s / ppl_d - 1),
+            "top1": float(agree.mean()), "kl_mean": float(kl.mean()),
+            "kl_p99": float(np.percentile(kl, 99))}
+
+
+# --- running ---------------------------------------------------------------------------
+
+class Model:
+    """The real model's weights, config and tokenizer, and one compiled prefill per
+    setting's attention."""
+
+    def __init__(self, dtype):
+        from transformers import AutoTokenizer
+
+        path = smollm2.gguf_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        self.cfg, self.params = llama.read_gguf(path, dtype)
+        self._attention = {}
+
+    def attention(self, setting: Setting):
+        if setting.kernel not in self._attention:
+            self._attention[setting.kernel] = make_attention(setting.kernel, self.cfg)
+        return self._attention[setting.kernel]
+
+    def prefill(self, tokens, setting: Setting):
+        """float32 logits `[L, vocab]` and the density `[layers, Hq]` of one sequence."""
+        logits, density, _ = llama.prefill(self.params, jnp.asarray(tokens)[None],
+                                           setting.layer_data(self.cfg), cfg=self.cfg,
+                                           attention=self.attention(setting))
+        return logits[0], np.asarray(density)
+
+    def generate(self, tokens, setting: Setting, steps: int) -> list[int]:
+        return llama.generate(self.params, jnp.asarray(tokens)[None], steps, cfg=self.cfg,
+                              attention=self.attention(setting),
+                              layer_data=setting.layer_data(self.cfg))[0].tolist()
+
+
+def one_at_a_time(model: Model, tokens, base: Setting, dense_logits) -> dict:
+    """Where `base`'s loss comes from: its rule in one layer at a time (the others dense),
+    then in one head at a time. Returns {"layers": [metrics per layer], "heads":
+    [[metrics per head] per layer]} (text_metrics without ppl)."""
+    cfg = model.cfg
+    out = {"layers": [], "heads": []}
+
+    def only(cells) -> Setting:
+        table = np.full((cfg.layers, cfg.heads), 2.0, np.float32)
+        for layer, head in cells:
+            table[layer, head] = base.threshold
+        return dataclasses.replace(base, threshold=tuple(map(tuple, table)))
+
+    for layer in range(cfg.layers):
+        logits, _ = model.prefill(tokens, only([(layer, h) for h in range(cfg.heads)]))
+        out["layers"].append(text_metrics(dense_logits, logits, tokens))
+    for layer in range(cfg.layers):
+        row = []
+        for head in range(cfg.heads):
+            logits, _ = model.prefill(tokens, only([(layer, head)]))
+            row.append(text_metrics(dense_logits, logits, tokens))
+        out["heads"].append(row)
+        log(f"{base.name}: layer {layer} one head at a time done")
+    return out
+
+
+def head_errors(model: Model, tokens, thresholds, stride: int, block_size: int) -> dict:
+    """Per layer and head, on the dense model's own activations (nothing propagates):
+    the estimate's and the oracle's density and relative output error
+    ||o - o_dense|| / ||o_dense|| (over the second half's rows) at each threshold, and the
+    share of the true mass in the forced blocks (sink and diagonal).
+    Returns numpy arrays `[layers, thresholds, Hq]` and `[layers, Hq]`."""
+    cfg = model.cfg
+    t_all = jnp.asarray(thresholds, jnp.float32)
+
+    def attention(q, k, v, levers):
+        del levers
+        dense = llama.dense_attention(q, k, v, scale=cfg.scale).astype(jnp.float32)
+        half = q.shape[2] // 2
+        def head_norm(x):  # [B, Hq, L, D] -> [Hq], over the second half's rows
+            return jnp.sqrt(jnp.sum(jnp.square(x[:, :, half:]), axis=(0, 2, 3)))
+
+        norm = head_norm(dense)
+        mass = exact_block_mass(q, k, block_size, cfg.scale)
+        sums, _ = xattn_jax.xattn_estimate(q, k, block_size=block_size, stride=stride,
+                                           causal=True)
+        qb = mass.shape[-1]
+        forced = (jnp.arange(qb)[None, :] == 0) | jnp.eye(qb, dtype=bool)
+        forced_share = (jnp.where(forced, mass, 0).sum(axis=(0, 2, 3))
+                        / mass.sum(axis=(0, 2, 3)))
+
+        def at(t):
+            rows = {}
+            for rule, scores in (("estimate", sums), ("oracle", mass)):
+                mask = xattn_jax.select_blocks(scores, jnp.full((q.shape[1],), t), causal=True)
+                o = xattn_jax.block_sparse_attention(q, k, v, mask, block_size=block_size,
+                                                     causal=True, scale=cfg.scale)
+                err = head_norm(o.astype(jnp.float32) - dense) / norm
+                rows[rule] = (density_per_head(mask), err)
+            return rows
+
+        per_t = jax.lax.map(at, t_all)
+        return dense.astype(q.dtype), {"forced_share": forced_share, **{
+            f"{rule}_{what}": per_t[rule][i] for rule in ("estimate", "oracle")
+            for i, what in enumerate(("density", "error"))}}
+
+    _, aux, _ = llama.prefill(model.params, jnp.asarray(tokens)[None], None, cfg=cfg,
+                              attention=attention)
+    return {name: np.asarray(x) for name, x in aux.items()}
+
+
+def answer_logprob(logits, prompt_len: int, answer: list[int]) -> float:
+    """The teacher-forced log-probability of `answer` after the prompt."""
+    steps = jax.nn.log_softmax(logits[prompt_len - 1: prompt_len - 1 + len(answer)], axis=-1)
+    return float(sum(steps[i, a] for i, a in enumerate(answer)))
+
+
+def passkey_grid(model: Model, settings, haystack, length: int) -> dict:
+    """{setting name: [{depth, logprob, greedy}]} over PASSKEY_DEPTHS."""
+    out = {s.name: [] for s in settings}
+    for depth, key in zip(PASSKEY_DEPTHS, PASSKEY_KEYS):
+        prompt, answer = texts.passkey_prompt(model.tokenizer, haystack, depth, key, length)
+        for s in settings:
+            logits, _ = model.prefill(prompt + answer, s)
+            written = model.generate(prompt, s, len(answer))
+            out[s.name].append({"depth": depth,
+                                "logprob": answer_logprob(logits, len(prompt), answer),
+                                "greedy": written == answer})
+        log(f"passkey depth {depth:.0%} done")
+    return out
+
+
+def run(model: Model, settings, tokens, passkey_length: int | None, text: str) -> list[dict]:
+    tokens = np.asarray(tokens)
+    dense_logits, _ = model.prefill(tokens, Setting("dense", "dense"))
+    records = []
+    for s in settings:
+        t0 = time.perf_counter()
+        logits, density = model.prefill(tokens, s)
+        rec = {"setting": s.name, "rule": s.rule, "text": text, "length": len(tokens),
+               "threshold": s.threshold, "stride": s.stride, "block_size": s.block_size,
+               "density": float(density.mean()),
+               "density_per_layer": density.mean(axis=1).round(4).tolist(),
+               **text_metrics(dense_logits, logits, tokens)}
+        records.append(rec)
+        log(f"{s.name}: density {rec['density']:.3f} top-1 {rec['top1']:.3f} "
+            f"KL {rec['kl_mean']:.4f} ppl {rec['ppl_change_pct']:+.2f}% "
+            f"({time.perf_counter() - t0:.1f} s)")
+    if passkey_length:
+        haystack = texts.text_tokens(model.tokenizer, text, passkey_length)
+        grid_ = passkey_grid(model, settings, haystack, passkey_length)
+        for rec in records:
+            rec["passkey"] = grid_[rec["setting"]]
+    return records
+
+
+def markdown(records: list[dict], header: str) -> str:
+    lines = [header, "",
+             "| setting | density | top-1 | ppl change | KL mean | KL p99 | passkey kept |",
+             "|---|---|---|---|---|---|---|"]
+    dense = next((r for r in records if r["rule"] == "dense"), None)
+    for r in records:
+        kept = ""
+        if "passkey" in r and dense is not None:
+            ok = [p["logprob"] >= d["logprob"] - KEPT_NATS
+                  for p, d in zip(r["passkey"], dense["passkey"])]
+            kept = f"{sum(ok)}/{len(ok)}"
+        lines.append(f"| {r['setting']} | {r['density']:.3f} | {r['top1']:.4f} | "
+                     f"{r['ppl_change_pct']:+.2f}% | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
+                     f"{kept} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", default="python-docs", choices=sorted(texts.TEXTS))
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--passkey", action="store_true")
+    parser.add_argument("--passkey-length", type=int, default=7168)
+    parser.add_argument("--settings", help="comma-separated names from SETTINGS")
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized: 512 tokens")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--md", help="write the markdown table here")
+    args = parser.parse_args(argv)
+    reason = smollm2.missing()
+    if reason:
+        raise SystemExit(reason)
+    settings = SMOKE if args.smoke else SETTINGS
+    if args.settings:
+        names = args.settings.split(",")
+        settings = [s for s in settings if s.name in names]
+    length = 512 if args.smoke else args.length
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    model = Model(dtype)
+    tokens = texts.text_tokens(model.tokenizer, args.text, length)
+    records = run(model, settings, tokens, (256 if args.smoke else args.passkey_length)
+                  if args.passkey else None, args.text)
+    meta = {"gpu": gpu_name(), "date": today(), "versions": versions(), "dtype": str(dtype)}
+    for r in records:
+        r.update(meta)
+    table = markdown(records, f"{args.text}, {length} tokens, {meta['gpu']}, {meta['date']}")
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
