@@ -40,6 +40,12 @@ import numpy as np
 
 
 def unsupported_reason() -> str | None:
+    if jax.__version_info__ < (0, 11):  # Python 3.11's newest jax is 0.10.2
+        return (f"the Mosaic GPU interpret-mode harness needs jax >= 0.11, this is jax "
+                f"{jax.__version__}, whose GPU interpreter lacks what the harness uses: "
+                f"plgpu.force_gpu_interpret_mode, jaxpr_interpret.resolve_ref and the "
+                f"interpreter's mesh_location (it passes device, grid point and thread ids "
+                f"to its callbacks instead); it also imports absl-py")
     try:
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
         from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -1,10 +1,10 @@
 """Bad input to xattn_jax's public functions: a TypeError or ValueError naming the argument.
 
-`BAD` lists about 250 bad arguments, each one change to a valid call of one public function
+`BAD` lists about 280 bad arguments, each one change to a valid call of one public function
 (impl="reference"). Every one is refused with a TypeError or ValueError whose message
 names the argument: never another exception from inside JAX, never a result. Hypothesis
-draws them on random valid shapes. Then the bad inputs of issue 14 one by one, and the
-values that are data (traced or on a device): checked mode (`xattn_jax.checked`) turns
+draws them on random valid shapes. Then single bad inputs with their exact messages, and
+the values that are data (traced or on a device): checked mode (`xattn_jax.checked`) turns
 them into errors, and unchecked they give what the docstrings say. Torch-free.
 """
 
@@ -82,8 +82,22 @@ def _kv_select(s: Shapes, **kw):
     return xattn_jax.select_kv_blocks(**({"scores": scores} | kw))
 
 
+def _attention(s: Shapes, **kw):
+    blocks = -(-s.length // 32)
+    mask = jnp.ones((s.batch, s.q_heads, blocks, blocks), bool)
+    return xattn_jax.block_sparse_attention(**({"q": s.q(), "k": s.k(), "v": s.k(),
+                                                "mask": mask, "block_size": 32,
+                                                "impl": "reference"} | kw))
+
+
+def _xattention(s: Shapes, **kw):
+    return xattn_jax.xattention(**({"q": s.q(), "k": s.k(), "v": s.k(), "block_size": 32,
+                                    "stride": 8, "impl": "reference"} | kw))
+
+
 FUNCTIONS = {"xattn_estimate": _estimate, "strided_scores": _scores, "select_blocks": _select,
-             "kv_block_scores": _kv_scores, "select_kv_blocks": _kv_select}
+             "kv_block_scores": _kv_scores, "select_kv_blocks": _kv_select,
+             "block_sparse_attention": _attention, "xattention": _xattention}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +196,10 @@ BAD = [
         "none": None, "list": [[[[1.0]]]], "str": "sums", "rank3": jnp.ones((1, 2, 2)),
         "int32": lambda s: jnp.ones((s.batch, s.q_heads, 2, 2), jnp.int32),
         "bool": lambda s: jnp.ones((s.batch, s.q_heads, 2, 2), bool),
-        "more_query_blocks": jnp.ones((1, 2, 3, 2))}),
+        "more_query_blocks": jnp.ones((1, 2, 3, 2)),
+        "empty": lambda s: jnp.ones((s.batch, s.q_heads, 0, 0)),
+        "no_heads": lambda s: jnp.ones((s.batch, 0, 2, 2)),
+        "no_batch": lambda s: jnp.ones((0, s.q_heads, 2, 2))}),
     *_bads("select_blocks", "threshold", BAD_SHARES | {"wrong_length": [0.5, 0.5, 0.5]}),
     *_bads("select_blocks", "causal", {"int_1": 1, "none": None}),
     *_bads("select_blocks", "impl", {"cuda": "cuda"}),
@@ -216,7 +233,10 @@ BAD = [
     *_bads("kv_block_scores", "impl", {"cuda": "cuda"}),
     *_bads("select_kv_blocks", "scores", {
         "none": None, "list": [[[1.0]]], "rank2": jnp.ones((1, 8)),
-        "int32": lambda s: jnp.ones((s.batch, s.q_heads, 8), jnp.int32)}),
+        "int32": lambda s: jnp.ones((s.batch, s.q_heads, 8), jnp.int32),
+        "no_blocks": lambda s: jnp.ones((s.batch, s.q_heads, 0)),
+        "no_heads": lambda s: jnp.ones((s.batch, 0, 8)),
+        "no_batch": lambda s: jnp.ones((0, s.q_heads, 8))}),
     *_bads("select_kv_blocks", "scores", {"rank3_vote": jnp.ones((1, 2, 8))},
            extra=(("rule", "vote"),)),
     *_bads("select_kv_blocks", "threshold", BAD_SHARES | {"per_head": jnp.full((2,), 0.5)}),
@@ -229,9 +249,16 @@ BAD = [
     *_bads("select_kv_blocks", "kv_heads", {
         "none": None, "not_dividing": lambda s: s.q_heads + 1, "zero": 0, "str": "2",
         "float": 2.0, "bool": True}, extra=(("per_kv_head", True),)),
+    *_bads("select_kv_blocks", "kv_heads", {
+        "not_dividing_without_per_kv_head": lambda s: s.q_heads + 1,
+        "zero_without_per_kv_head": 0, "str_without_per_kv_head": "2"}),
     *_bads("select_kv_blocks", "per_kv_head", {"int_1": 1, "none": None}),
     *_bads("select_kv_blocks", "keep_first", {"int_0": 0, "str": "no"}),
     *_bads("select_kv_blocks", "keep_last", {"int_1": 1}),
+    *_bads("block_sparse_attention", "causal", NOT_FLAGS),
+    *_bads("block_sparse_attention", "return_lse", NOT_FLAGS | {"str_yes": "yes"}),
+    *_bads("xattention", "return_mask", NOT_FLAGS | {"str_no": "no"}),
+    *_bads("xattention", "causal", {"int_1": 1, "none": None}),
 ]
 ALLOWED = (TypeError, ValueError)
 
@@ -262,7 +289,7 @@ def test_bad_inputs_on_random_shapes(bad, shapes):
     _assert_refused(bad, shapes)
 
 
-# --- the bad inputs of issue 14, one by one ----------------------------------------------
+# --- single bad inputs, with their messages ----------------------------------------------
 
 def _paged_scores(table, k_len=None, impl="reference"):
     """kv_block_scores of a chunk of 32 queries over a cache of 10 pages of 16 tokens."""
@@ -315,6 +342,41 @@ def test_repeated_selection_remembers_values_by_type():
         with pytest.raises((TypeError, ValueError), match=argument):
             xattn_jax.select_kv_blocks(scores, **{**good, argument: value})
     assert np.asarray(xattn_jax.select_kv_blocks(scores, **{**good, "num_valid": 8}))[0, 7]
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 0, 0), (1, 0, 2, 2)])
+def test_empty_block_sums_are_refused_like_empty_q(shape):
+    """select_blocks refuses empty block sums as xattn_estimate refuses empty q or k."""
+    with pytest.raises(ValueError, match=r"^block_sums must be non-empty"):
+        xattn_jax.select_blocks(jnp.ones(shape), impl="reference")
+    with pytest.raises(ValueError, match=r"^q and k must be non-empty"):
+        xattn_jax.xattn_estimate(Shapes().q(length=1)[:, :, :0], Shapes().k(),
+                                 block_size=32, impl="reference")
+
+
+def test_kv_heads_is_checked_without_per_kv_head():
+    """kv_heads, the scores' KV heads, must divide the query heads even where per_kv_head
+    is False and the selection does not group by it; a divisor is accepted there."""
+    scores = jnp.ones((1, 4, 8))
+    with pytest.raises(ValueError, match=r"^kv_heads must divide the 4 query heads"):
+        xattn_jax.select_kv_blocks(scores, kv_heads=3)
+    assert xattn_jax.select_kv_blocks(scores, kv_heads=2).shape == (1, 8)
+    assert xattn_jax.select_kv_blocks(scores, kv_heads=2, per_kv_head=True).shape == (1, 2, 8)
+
+
+@pytest.mark.parametrize("flags", [dict(return_lse="yes"), dict(causal=1)])
+def test_attention_flags_must_be_bools(flags):
+    (name, value), = flags.items()
+    with pytest.raises(TypeError, match=rf"^{name} must be True or False, got {value!r}"):
+        _attention(Shapes(), **flags)
+    with pytest.raises(TypeError, match=r"^return_mask must be True or False, got 'no'"):
+        _xattention(Shapes(), return_mask="no")
+
+
+def test_checked_refuses_what_is_not_callable():
+    for fn in (42, None, "xattn_estimate"):
+        with pytest.raises(TypeError, match=r"^fn must be callable"):
+            xattn_jax.checked(fn)
 
 
 def test_integer_block_sums_are_refused():
@@ -457,6 +519,27 @@ def test_unchecked_num_valid_as_documented():
     assert not np.any(np.asarray(select(scores, jnp.float32(0.9), jnp.int32(0))))
     assert select(scores, jnp.float32(0.9), jnp.int32(9)).tolist() == \
         select(scores, jnp.float32(0.9), jnp.int32(4)).tolist()
+
+
+def _traced_attention(q, k, n):
+    mask = jnp.ones((1, 2, 1, 2), bool)
+    return xattn_jax.block_sparse_attention(q, k, k, mask, block_size=32, k_len=n,
+                                            impl="reference")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("n", [16, 65, -1])
+def test_checked_attention_k_len(n, jit):
+    """A jax.Array k_len outside [Lq, Lk] = [32, 64] is an error in checked mode, with
+    jax.jit around it or not; one inside is not."""
+    q, k = Shapes().q(length=32), Shapes().k()
+    run = xattn_jax.checked(_traced_attention)
+    run = jax.jit(run) if jit else run
+    err, _ = run(q, k, jnp.int32(n))
+    with pytest.raises(ValueError, match=r"k_len must lie in \[Lq, Lk\] = \[32, 64\]"):
+        err.throw()
+    err, _ = run(q, k, jnp.int32(48))
+    assert err.get() is None
 
 
 def test_checked_block_table():

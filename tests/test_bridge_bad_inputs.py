@@ -102,6 +102,42 @@ def test_integer_tensors_get_the_rule_of_the_estimate(dtype):
         bridge.xattn_estimate(q, k, block_size=VALID.block_size, impl="reference")
 
 
+def _attention_call(function, **changes):
+    """A valid call of the bridge's block_sparse_attention or xattention, with changes."""
+    q, k = _qk()
+    blocks = VALID.k_len // VALID.block_size
+    args = dict(q=q, k=k, v=k.clone(), block_size=VALID.block_size, impl="reference")
+    if function == "block_sparse_attention":
+        args["mask"] = torch.ones((1, 2, blocks, blocks), dtype=torch.bool)
+    return lambda: getattr(bridge, function)(**(args | changes))
+
+
+@pytest.mark.parametrize("function,argument,value", [
+    ("xattention", "return_mask", "no"), ("xattention", "return_mask", 1),
+    ("xattention", "causal", 1), ("xattention", "copy", "yes"),
+    ("block_sparse_attention", "return_lse", "yes"), ("block_sparse_attention", "causal", 1),
+    ("block_sparse_attention", "copy", None),
+])
+def test_bridge_attention_flags_must_be_bools(function, argument, value):
+    with pytest.raises(TypeError, match=rf"^{argument} must be True or False, got "
+                                        rf"{re.escape(repr(value))}"):
+        _attention_call(function, **{argument: value})()
+
+
+@pytest.mark.parametrize("argument,value,allowed", [
+    ("v", torch.zeros(VALID.k_shape, dtype=torch.float64), "bfloat16, float16 or float32"),
+    ("v", torch.zeros(VALID.k_shape, dtype=torch.int32), "bfloat16, float16 or float32"),
+    ("mask", torch.ones((1, 2, 4, 4), dtype=torch.int32), "bool"),
+    ("k_len", torch.tensor(64, dtype=torch.int64), "int32"),
+])
+def test_bridge_attention_dtype_message_lists_what_the_argument_takes(argument, value,
+                                                                       allowed):
+    """The message lists the dtypes of that argument, not every dtype the hand-off takes."""
+    with pytest.raises(ValueError, match=rf"^{argument} must have dtype {allowed}, "
+                                         rf"got {value.dtype}$"):
+        _attention_call("block_sparse_attention", **{argument: value})()
+
+
 POLICY_BAD = {
     "threshold": ["0.9", None, True, 0, 1.5, float("nan"), [0.5]],
     "stride": [0, -8, "8", 8.0, None, True],

@@ -80,6 +80,23 @@ def test_plot_labels_every_mask_state_and_greys_blocks_after_the_diagonal():
     assert tuple(left.images[0].cmap.get_bad()) == grey
 
 
+def test_plot_colors_shares_of_each_row_not_block_sums():
+    """Block sums of a full block row add up to block_size / stride (16 here), yet the color
+    bar shows each block's share of its row: at most 1, each row summing to 1, and its
+    label says so."""
+    from xattn_jax.demo.cli import SHARE_LABEL, plot_figure
+
+    sums = np.tril(np.arange(1.0, 17.0)[None, :].repeat(4, axis=0)[:, :4])
+    sums *= 16 / sums.sum(axis=1, keepdims=True)  # each row's 16 reshaped rows of mass
+    left = plot_figure(sums, sums > 4, "title").axes[0]
+    shown = np.ma.masked_invalid(left.images[0].get_array())
+    np.testing.assert_allclose(shown.sum(axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(shown.filled(0), sums / 16, rtol=1e-6)
+    assert left.images[0].norm.vmax <= 1.0
+    assert left.images[0].colorbar.ax.get_ylabel() == SHARE_LABEL
+    assert "share" in SHARE_LABEL and "sums to 1" in SHARE_LABEL
+
+
 # --- exact recall ----------------------------------------------------------------------
 
 def brute_force_recall(q, k, mask, block_size, causal):

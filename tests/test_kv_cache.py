@@ -257,11 +257,21 @@ def test_append_to_an_offloaded_last_block(rand):
     (dict(block_size=2.0), TypeError, "block_size must be an integer >= 1, got 2.0"),
     (dict(staging_slots=-1), ValueError, "staging_slots must be an integer >= 0"),
     (dict(dtype=torch.float64), ValueError, "dtype must be float32, bfloat16 or float16"),
+    (dict(device="meta"), ValueError, "device must be the CPU or a CUDA device, got 'meta'"),
+    (dict(device="gpu0"), ValueError, "device must be the CPU or a CUDA device, got 'gpu0'"),
+    (dict(device=1.5), TypeError, "device must be a torch.device"),
 ])
 def test_constructor_checks(kwargs, error, message):
     args = dict(num_blocks=2, block_size=BS, kv_heads=HKV, head_dim=D, device="cpu") | kwargs
     with pytest.raises(error, match=message):
         PagedKVCache(**args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda"), 0])
+def test_cuda_device_without_a_gpu_is_a_value_error(device):
+    with pytest.raises(ValueError, match=r"^device is cuda(:\d)?, but torch sees no CUDA GPU"):
+        PagedKVCache(2, BS, HKV, D, device=device)
 
 
 def test_pool_layout():

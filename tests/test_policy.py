@@ -8,6 +8,7 @@ The `gpu` tests need torch with CUDA and JAX's CUDA backend in one process
 
 from __future__ import annotations
 
+import math
 
 import jax
 import numpy as np
@@ -143,6 +144,20 @@ def test_defaults_work_for_every_page_size(rand, page):
     ids = cache.append([], k, v)
     policy = XAttentionPolicy(0.6)
     assert policy._unit(page) == max(page, 1024)
+    check(q, cache, ids, policy, rand)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("page", [1, 7], ids=lambda p: f"page{p}")
+def test_pages_of_any_size(rand, page, impl):
+    """Pages need not hold 16 tokens, nor whole stride groups: pages of 1 and 7 tokens (the
+    Triton kernel then reads one table entry per token) in units of the least common
+    multiple of the page and the estimate block select the reference's pages."""
+    k, v, q = context(rand, PAGED.k_len)
+    cache = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.float32, device="cpu")
+    ids = cache.append([], k, v)
+    policy = XAttentionPolicy(0.6, STRIDE, EBS, impl=impl)
+    assert policy._unit(page) == page * EBS // math.gcd(page, EBS)
     check(q, cache, ids, policy, rand)
 
 
@@ -290,10 +305,10 @@ def test_cuda_matches_cpu_with_offloaded_blocks(rand, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("page", [16, 64], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("page", [7, 16, 64], ids=lambda p: f"page{p}")
 def test_cuda_small_pages_with_offloaded_pages(rand, page):
-    """16-token pages on CUDA (units of 4 pages, two of them offloaded and staged): the
-    reference's pages."""
+    """Small pages on CUDA (16 tokens: units of 4 pages; 7: one table entry per token),
+    two of them offloaded and staged: the reference's pages."""
     k, v, q = context(rand, 6 * BS + 9)
     cache = PagedKVCache(-(-len(k) // page), page, HKV, D, dtype=torch.bfloat16,
                          device="cuda", num_cpu_blocks=2, staging_slots=2)

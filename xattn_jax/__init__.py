@@ -5,7 +5,7 @@ Public API: `xattn_estimate` (the whole estimate), and its stages `strided_score
 cache); `block_sparse_attention` (attention on a block mask) and `xattention` (the
 estimate, then that attention); `xattn_jax.reference` is the plain-JAX source of truth.
 `checked(fn)` runs `fn` with the values that are data (traced thresholds, key counts,
-block tables) checked too.
+block tables) checked too. `__version__`: the distribution's version.
 """
 
 from xattn_jax.api import select_blocks, strided_scores, xattn_estimate
@@ -13,6 +13,26 @@ from xattn_jax.attention import block_sparse_attention, xattention
 from xattn_jax.checks import checked
 from xattn_jax.geometry import Geometry
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
+
+
+def _version() -> str:
+    """The installed distribution's version; in a source checkout that is not installed,
+    its pyproject.toml's ("0+unknown" without one)."""
+    import pathlib
+    import tomllib
+    from importlib import metadata
+
+    try:
+        return metadata.version("xattn-jax")
+    except metadata.PackageNotFoundError:
+        pyproject = pathlib.Path(__file__).parent.parent / "pyproject.toml"
+        if not pyproject.is_file():
+            return "0+unknown"
+        with pyproject.open("rb") as f:
+            return tomllib.load(f)["project"]["version"]
+
+
+__version__ = _version()
 
 __all__ = ["Geometry", "block_sparse_attention", "checked", "kv_block_scores",
            "select_blocks", "select_kv_blocks", "strided_scores", "xattention",

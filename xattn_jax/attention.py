@@ -24,7 +24,8 @@ import numpy as np
 
 from xattn_jax import impls, partitioning
 from xattn_jax.api import xattn_estimate
-from xattn_jax.checks import cached_keys, check_norm, check_qk, threshold_per_head
+from xattn_jax.checks import (cached_keys, check_flag, check_norm, check_qk, check_traced,
+                              threshold_per_head)
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.impls import Implementation
 
@@ -75,18 +76,22 @@ def _check_mask(mask, geom: Geometry, block_size: int) -> None:
 
 
 def _key_count(k_len, geom: Geometry):
-    """k_len as None or an int32 scalar; an int must lie in [Lq, Lk]."""
+    """k_len as None or an int32 scalar; an int must lie in [Lq, Lk], a jax.Array (maybe
+    traced) against the same range in checked mode only."""
     if k_len is None:
         return None
+    rule = (f"k_len must lie in [Lq, Lk] = [{geom.q_len}, {geom.k_len}] (the queries are "
+            f"the last Lq of the k_len keys)")
     if isinstance(k_len, (int, np.integer)) and not isinstance(k_len, bool):
         if not geom.q_len <= k_len <= geom.k_len:
-            raise ValueError(f"k_len must lie in [Lq, Lk] = [{geom.q_len}, {geom.k_len}] (the "
-                             f"queries are the last Lq of the k_len keys), got {k_len}")
+            raise ValueError(f"{rule}, got {k_len}")
     elif not isinstance(k_len, jax.Array) or k_len.ndim or \
             not jnp.issubdtype(k_len.dtype, jnp.integer):
         raise ValueError(f"k_len must be None, an int or an integer scalar jax.Array, got "
                          f"{k_len!r}")
-    return jnp.asarray(k_len, jnp.int32)
+    count = jnp.asarray(k_len, jnp.int32)
+    check_traced(lambda n: (n >= geom.q_len) & (n <= geom.k_len), rule + ", got {}", count)
+    return count
 
 
 def _check_attention(q, k, v, block_size, block_table) -> Geometry:
@@ -134,8 +139,9 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
       scale: multiplies q.k before the softmax; default 1 / sqrt(D).
       return_lse: also return the float32 `[B, Hq, Lq]` log-sum-exp (natural log).
       k_len: keys in use, Lq <= k_len <= Lk, for a padded or paged cache: None (all), an
-        int, or an int32 scalar jax.Array (traced values do not recompile; keeping them in
-        range is the caller's part). Keys from k_len on are never visible.
+        int, or an int32 scalar jax.Array (traced values do not recompile; their range is
+        checked in checked mode only, `xattn_jax.checked`). Keys from k_len on are never
+        visible.
       block_table: int32 `[B, pages_per_seq]`: k and v are then paged caches
         `[num_pages, page_size, Hkv, D]` / `[num_pages, page_size, Hkv, Dv]` (the layout
         `kv_block_scores` takes), sequence b being the pages block_table[b] in order, so
@@ -158,10 +164,12 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     makes the row NaN; a score of -inf gives that key weight 0; a NaN or inf in an
     allowed key's v makes the row's output NaN.
 
-    Raises ValueError, before any work, for inputs that break these rules.
+    Raises TypeError or ValueError, before any work, for inputs that break these rules
+    (causal and return_lse must be True or False).
     """
     geom = _check_attention(q, k, v, block_size, block_table)
     _check_mask(mask, geom, block_size)
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
     page_size = None if table is None else k.shape[1]
@@ -171,8 +179,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
                                  impl=impl, block_size=geom.block_size,
-                                 causal=bool(causal), scale=_check_scale(scale),
-                                 return_lse=bool(return_lse))
+                                 causal=causal, scale=_check_scale(scale),
+                                 return_lse=return_lse)
     return run(q, k, v, mask, key_count, table)
 
 
@@ -208,7 +216,7 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
       block_size, stride, causal, norm: as in `xattn_estimate` (norm tempers the estimate
         only); the attention uses the same block_size and causal.
       scale: the attention's q.k multiplier, default 1 / sqrt(D).
-      return_mask: also return the mask.
+      return_mask: also return the mask (True or False).
       impl: the attention's implementation, as in `block_sparse_attention`. The estimate
         runs its "reference" for impl="reference" or inputs off a GPU, else its "auto".
 
@@ -218,6 +226,7 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
     """
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     _check_v(v, k, None)
+    return_mask = check_flag("return_mask", return_mask)
     t = threshold_per_head(threshold, geom.q_heads)
     attention_impl = impls.resolve(impl, q, op=impls.ATTENTION,
                                    attention_args=(q.shape[-1], v.shape[-1], q.dtype,
@@ -227,5 +236,5 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,
         estimate_impl=estimate_impl, block_size=geom.block_size, stride=geom.stride,
         causal=bool(causal), norm=check_norm(norm), scale=_check_scale(scale),
-        return_mask=bool(return_mask))
+        return_mask=return_mask)
     return run(q, k, v, t)

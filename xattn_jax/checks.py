@@ -50,7 +50,12 @@ def checked(fn: Callable) -> Callable:
     nothing is added and the compiled functions are those of an unchecked call. A function
     that you jit yourself and call inside `fn` keeps the trace of its first call: wrap
     `checked` around it (as above), not the other way round.
+
+    Raises TypeError at once if `fn` is not callable.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (the function to run checked), got {fn!r} "
+                        f"({type(fn).__name__})")
     @functools.wraps(fn)
     def in_checked_mode(*args, **kwargs):
         token = _checked.set(True)
@@ -348,11 +353,15 @@ def check_qk(q, k, *, stride, block_size, causal) -> Geometry:
 
 
 def check_float_array(name: str, x, layout: str) -> None:
-    """An array of the rank of `layout` and a floating dtype (scores, block sums)."""
+    """A non-empty array of the rank of `layout` and a floating dtype (scores, block sums):
+    like q and k of the estimate, no dimension may be 0."""
     check_array(name, x, layout)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must be floats (float32, bfloat16, float16 or float64), "
                          f"got dtype {x.dtype}")
+    if 0 in x.shape:
+        raise ValueError(f"{name} must be non-empty (no dimension 0) {layout}, got shape "
+                         f"{x.shape}")
 
 
 def check_block_sums(block_sums) -> None:
@@ -502,13 +511,16 @@ def valid_counts(num_valid, batch: int, blocks: int):
 def kv_groups(heads: int, per_kv_head: bool, kv_heads) -> int:
     """G: the selection's groups of query heads (kv_heads of them with per_kv_head, else 1).
 
-    kv_heads, when given, is a positive integer; per_kv_head needs one dividing `heads`.
+    kv_heads, the scores' KV heads, is checked whenever it is given (with per_kv_head or
+    not): a positive integer dividing `heads`. per_kv_head needs it.
     """
-    if kv_heads is not None:
-        kv_heads = check_int("kv_heads", kv_heads)
-    if not per_kv_head:
+    if kv_heads is None:
+        if per_kv_head:
+            raise ValueError(f"per_kv_head=True needs kv_heads, a divisor of the {heads} "
+                             f"query heads, got None")
         return 1
-    if kv_heads is None or heads % kv_heads:
-        raise ValueError(f"per_kv_head=True needs kv_heads, a divisor of the {heads} query "
-                         f"heads, got {kv_heads!r}")
-    return kv_heads
+    kv_heads = check_int("kv_heads", kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads must divide the {heads} query heads of scores (query "
+                         f"head h reads KV head h // (Hq // kv_heads)), got {kv_heads}")
+    return kv_heads if per_kv_head else 1

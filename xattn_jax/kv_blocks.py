@@ -179,6 +179,8 @@ def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: 
       jax.Array (maybe traced).
     per_kv_head: select once per KV head (`kv_heads` of them) from its query heads, the
       union a KV head's attention needs; otherwise once for all heads.
+    kv_heads: the KV heads Hkv of the scores' query heads, needed with per_kv_head; when
+      given (with per_kv_head or not) it must divide Hq.
     num_valid: KV blocks in use, an int in [1, n] or `[B]` such ints (a jax.Array may be
       traced; default n). Later blocks are never selected.
     A block that holds no key (a negative score in any head: `EMPTY_BLOCK` from

@@ -34,6 +34,15 @@ from __future__ import annotations
 import os
 import warnings
 
+try:
+    import torch  # noqa: F401  (the bridge's one dependency beyond xattn_jax's)
+except ModuleNotFoundError as error:
+    if error.name != "torch":  # torch is there but broken: its own error says why
+        raise
+    raise ModuleNotFoundError(
+        "xattn_torch_bridge needs torch, which is not installed: pip install "
+        "'xattn-jax[torch]'", name="torch") from error
+
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 _user_preallocate = os.environ.get(PREALLOCATE)
 os.environ.setdefault(PREALLOCATE, "false")

@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import torch
 import xattn_jax
+from xattn_jax.checks import check_flag
 
-from xattn_torch_bridge.dlpack import place_of, to_torch, views_for_one_computation
+from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, place_of, to_torch,
+                                       views_for_one_computation)
 from xattn_torch_bridge.estimate import _detached
 
+# the dtypes each tensor argument takes (the messages list only these)
+_DTYPES = {"q": FLOAT_DTYPES, "k": FLOAT_DTYPES, "v": FLOAT_DTYPES, "mask": (torch.bool,),
+           "block_table": (torch.int32,), "k_len": (torch.int32,)}
 
-def _views(copy: bool, **tensors: torch.Tensor):
+
+def _views(copy, **tensors: torch.Tensor):
     """JAX views of the named tensors (None entries skipped), which must share a device."""
+    copy = check_flag("copy", copy)
     named = {name: t for name, t in tensors.items() if t is not None}
-    checked = [place_of(_detached(t), name, copy) for name, t in named.items()]
+    checked = [place_of(_detached(t), name, copy, _DTYPES[name]) for name, t in named.items()]
     place = checked[0][1]
     if any(other is not place for _, other in checked):
         devices = ", ".join(f"{name} on {t.device}" for name, t in named.items())

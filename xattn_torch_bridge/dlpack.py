@@ -150,8 +150,8 @@ def place_of(tensor: torch.Tensor, name: str, copy: bool,
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
         names = [str(d).removeprefix("torch.") for d in dtypes]
-        raise ValueError(f"{name} must have dtype {', '.join(names[:-1])} or {names[-1]}, "
-                         f"got {tensor.dtype}")
+        allowed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+        raise ValueError(f"{name} must have dtype {allowed}, got {tensor.dtype}")
     if tensor.requires_grad:
         raise ValueError(f"{name} requires grad, which DLPack cannot carry: pass "
                          f"{name}.detach()")

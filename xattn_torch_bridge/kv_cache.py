@@ -45,6 +45,34 @@ _INT_TYPES = frozenset({int, np.int32, np.int64})  # what a list of block ids ma
 _NONE = np.zeros(0, np.int64)  # no positions
 
 
+def _check_device(device) -> torch.device:
+    """The cache's device: None (CUDA if torch sees a GPU, else the CPU), or the CPU or a
+    CUDA device torch sees; a CUDA device without an index gets the current one."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a torch.device, a string such as 'cuda:0', an int "
+                        f"(a CUDA index) or None, got {device!r} ({type(device).__name__})")
+    given = device
+    try:
+        device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except RuntimeError:  # an unknown device string, or a negative index
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA device, got {given!r}")
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device is {device}, but torch sees no CUDA GPU (torch "
+                         f"{torch.__version__}, CUDA {torch.version.cuda}): pass device='cpu'")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device is {device}, but torch sees {torch.cuda.device_count()} "
+                         f"CUDA devices")
+    return device
+
+
 class _TableBuffer:
     """A persistent block table of one width: `table`, int32 `[width + 1]` on the device,
     written through its pinned host twin `host` on CUDA (one asynchronous copy per call,
@@ -81,7 +109,9 @@ class PagedKVCache:
       block_size: tokens per block (the page size).
       kv_heads, head_dim: Hkv and D of the keys and values.
       dtype: float32, bfloat16 or float16 (what the estimate takes).
-      device: where the pages live; default "cuda" if torch sees a GPU, else "cpu".
+      device: where the pages live: the CPU or a CUDA device torch sees (a torch.device,
+        a string such as "cuda:0", or a CUDA index); default "cuda" if torch sees a GPU,
+        else "cpu".
       num_cpu_blocks: CPU slots for offloaded blocks (0: no offloading).
       staging_slots: device pages for the keys of offloaded blocks during an estimate;
         at most this many offloaded blocks per `stage_keys` or `block_table` call.
@@ -97,9 +127,7 @@ class PagedKVCache:
         check_int("staging_slots", staging_slots, 0)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _check_device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, device

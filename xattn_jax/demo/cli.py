@@ -73,12 +73,19 @@ MASK_STATES = (
     ("selected", "#1f4e9c"),
 )
 AFTER_DIAGONAL_COLOR = MASK_STATES[0][1]
+SHARE_LABEL = "share of the query block's estimated mass (each row sums to 1)"
 
 
 def plot_figure(sums: np.ndarray, mask: np.ndarray, title: str):
-    """Two panels for one head: block sums float `[qb, kb]` (log color scale) and the
-    block mask bool `[qb, kb]`; blocks after the diagonal are grey in both, and the mask
-    panel's legend names its three states. Returns the matplotlib Figure."""
+    """Two panels for one head: block sums float `[qb, kb]` and the block mask bool
+    `[qb, kb]`; blocks after the diagonal are grey in both, and the mask panel's legend
+    names its three states. Returns the matplotlib Figure.
+
+    The first panel shows each block's share of its query block's estimated mass (log
+    color scale), not the block sum itself: a full query block's sums add up to its
+    block_size / stride reshaped rows (16 at the defaults), while a share lies in [0, 1]
+    and reads against the threshold, which is a share of each row too.
+    """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import ListedColormap, LogNorm
@@ -87,18 +94,21 @@ def plot_figure(sums: np.ndarray, mask: np.ndarray, title: str):
 
     qb, kb = sums.shape
     allowed = np.arange(kb)[None, :] <= np.arange(qb)[:, None] + (kb - qb)
-    positive = sums[allowed & (sums > 0)]
+    totals = np.where(allowed, sums, 0).sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shares = np.where(totals > 0, sums / totals, np.nan)  # NaN rows stay NaN
+    positive = shares[allowed & (shares > 0)]
     if positive.size == 0:  # NaN inputs: no finite block sum to scale the colors by
         positive = np.ones(1)
     norm = LogNorm(vmin=max(positive.min(), positive.max() * 1e-6), vmax=positive.max())
     fig = Figure(figsize=(12, 5.6), layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
-    image = left.imshow(np.where(allowed, np.maximum(sums, norm.vmin), np.nan), norm=norm,
+    image = left.imshow(np.where(allowed, np.maximum(shares, norm.vmin), np.nan), norm=norm,
                         cmap=colormaps["viridis"].with_extremes(bad=AFTER_DIAGONAL_COLOR),
                         interpolation="nearest")
-    fig.colorbar(image, ax=left, shrink=0.85, label="estimated block sum")
-    left.set_title("block sums (log scale)")
+    fig.colorbar(image, ax=left, shrink=0.85, label=SHARE_LABEL)
+    left.set_title("estimated attention mass per block (log scale)")
     states = np.where(mask, 2, np.where(allowed, 1, 0))  # indices into MASK_STATES
     right.imshow(states, cmap=ListedColormap([color for _, color in MASK_STATES]), vmin=0,
                  vmax=len(MASK_STATES) - 1, interpolation="nearest")
