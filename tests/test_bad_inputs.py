@@ -3,8 +3,9 @@
 `BAD` lists about 250 bad arguments, each one change to a valid call of one public function
 (impl="reference"). Every one is refused with a TypeError or ValueError whose message
 names the argument: never another exception from inside JAX, never a result. Hypothesis
-draws them on random valid shapes. Then the bad inputs of issue 14 one by one, and the
-values that are data (traced or on a device): checked mode (`xattn_jax.checked`) turns
+draws them on random valid shapes. Then bad inputs that need a call of their own (page
+ids, string thresholds, integer sums, blocks longer than the sequence), and the values
+that are data (traced or on a device): checked mode (`xattn_jax.checked`) turns
 them into errors, and unchecked they give what the docstrings say. Torch-free.
 """
 
@@ -262,7 +263,7 @@ def test_bad_inputs_on_random_shapes(bad, shapes):
     _assert_refused(bad, shapes)
 
 
-# --- the bad inputs of issue 14, one by one ----------------------------------------------
+# --- bad inputs that need a call of their own --------------------------------------------
 
 def _paged_scores(table, k_len=None, impl="reference"):
     """kv_block_scores of a chunk of 32 queries over a cache of 10 pages of 16 tokens."""
