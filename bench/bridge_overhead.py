@@ -10,7 +10,7 @@ Freeing the results is outside the timed region too.
 
 Rows:
 - to_jax, to_torch: one direction of the hand-off of a bf16 `[B, Hq, L, D]` tensor.
-- hand-off: `to_torch(to_jax(t))`, the round trip the issue bounds at 20 us.
+- hand-off: `to_torch(to_jax(t))`, the round trip, whose target is 20 us.
 - naive hand-off: `torch.from_dlpack(jnp.from_dlpack(t))`, for comparison.
 - estimate dispatch: the time until `xattn_estimate` returns (the GPU works on after it),
   plain `xattn_jax` on JAX arrays and bridged on torch views of the same memory.

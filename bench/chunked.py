@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     contexts = [tokens(text) // (8 if args.small else 1) for text in args.contexts.split(",")]
     # Ours first, the original after: a chunk call lasts half a millisecond, and ours
     # measured 10-15% slower right after the original's kernels had run in the process
-    # (bench/results/chunked_h200.md).
+    # (docs/tuning.md: bench-ours-first).
     runs = [(functools.partial(kernel_rows, impls=args.impls.split(",")), "xattn-jax")]
     if original is not None:
         runs.append((functools.partial(_original_rows, original=original), "original"))

@@ -1,11 +1,11 @@
 """Shared pieces of the benchmarks: timing, floors, memory, records and tables.
 
-Floors use the ceilings measured on our H200 (session 1, 2026-11-29): the bf16 XLA
-matmul at 753 TFLOP/s and a device-to-device copy at 4.25 TB/s. Those are short runs:
-under back-to-back load the H200 holds its power cap (~692 W, 1.50-1.58 GHz) and the same
-matmul gives ~683 TFLOP/s (session 14, `results/mosaic_estimate_h200.md`), so the
-estimate's benchmarks also time that matmul beside each case (`matmul_tflops`) and give
-each row's ratio to the floor at that same-run rate.
+Floors use the ceilings measured on our H200 on 2026-11-29: the bf16 XLA matmul at 753
+TFLOP/s and a device-to-device copy at 4.25 TB/s. Those were short runs: under
+back-to-back load the H200 holds its power cap (~692 W, 1.50-1.58 GHz) and the same
+matmul gives ~683 TFLOP/s (2026-11-30). So the estimate's benchmarks also time that
+matmul beside each case (`matmul_tflops`) and give each row's ratio to the floor at that
+same-run rate (docs/tuning.md: floor-same-run-matmul).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -66,11 +68,8 @@ def floor_ms(flops: float, nbytes: float = 0.0) -> float:
     return 1e3 * max(flops / MATMUL_FLOPS, nbytes / COPY_BYTES)
 
 
-# A timed batch of back-to-back calls lasts about this long. Each batch is charged one
-# launch and one wait. Session 15 (H200, the 4096-query chunk over 64K: 0.83 ms from
-# launch to result, 0.2 ms of it the host's launch) measured 0.479-0.505 ms per call
-# with batches of 5 ms sized by that latency, and 0.417-0.449 in loops of 50 calls. So a
-# batch is sized by the back-to-back rate of a first batch and lasts 20 ms.
+# A timed batch of back-to-back calls lasts about this long (docs/tuning.md:
+# timing-batch-length). Each batch is charged one launch and one wait.
 BATCH_MS = 20.0
 MAX_BATCH = 100  # calls per batch, at most
 
@@ -159,13 +158,27 @@ def today() -> str:
     return datetime.date.today().isoformat()
 
 
+def commit() -> str | None:
+    """The checkout's commit (7 or more hex digits; "-dirty" if tracked files differ from
+    it), or None outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=pathlib.Path(__file__).parent,
+                              capture_output=True, text=True)
+
+    head = git("rev-parse", "--short=7", "HEAD")
+    if head.returncode:
+        return None
+    dirty = git("diff", "--quiet", "HEAD").returncode != 0
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def record(case: str, impl: str, ms: float, floor: float, extra_mib: float,
            matmul_tflops: float | None = None) -> dict:
     """One row of results. matmul_tflops: the same-run ceiling (`matmul_tflops`), kept
     with the floor at that rate (`same_run_floor_ms`) where given."""
     row = {"case": case, "impl": impl, "gpu": gpu_name(), "ms": round(ms, 4),
            "floor_ms": round(floor, 4), "extra_mib": round(extra_mib, 1),
-           "date": today(), "versions": versions()}
+           "date": today(), "versions": versions(), "commit": commit()}
     if matmul_tflops is not None:
         row["matmul_tflops"] = round(matmul_tflops, 1)
         row["same_run_floor_ms"] = round(floor * MATMUL_FLOPS / (matmul_tflops * 1e12), 4)
@@ -176,7 +189,8 @@ def print_report(records: list[dict]) -> None:
     """The run's GPU, versions and date, then its records as a markdown table (with the
     same-run ceiling's columns where the records hold it)."""
     first = records[0]
-    print(f"\nGPU: {first['gpu']}; {first['versions']}; {first['date']}\n")
+    print(f"\nGPU: {first['gpu']}; {first['versions']}; {first['date']}; "
+          f"commit {first.get('commit')}\n")
     same_run = any("same_run_floor_ms" in r for r in records)
     extra = " same-run matmul TFLOP/s | time / same-run floor |" if same_run else ""
     lines = ["| case | impl | ms | floor ms | time / floor | extra MiB |" + extra,

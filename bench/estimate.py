@@ -33,7 +33,7 @@ from bench.common import (floor_ms, jax_extra_mib, log, matmul_tflops,  # noqa: 
                           print_report, record, time_ms, write_json)
 from xattn_jax import xattn_estimate  # noqa: E402
 
-PAIRED_ROUNDS = 3  # GQA and its MHA twin alternate this often (run-to-run drift is ~5%)
+PAIRED_ROUNDS = 3  # GQA and its MHA twin alternate (docs/tuning.md: gqa-paired-rounds)
 REPS = {"causal-128k": 5, "causal-1m": 2}  # timed batches per case; others by length
 CASES = ESTIMATE
 

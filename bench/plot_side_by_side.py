@@ -1,7 +1,9 @@
 """Plots each case's time over its floor for the original, the Triton and the Mosaic GPU
 kernels, from `bench.estimate --json` / `bench.chunked --json` records.
 
-    python -m bench.plot_side_by_side RESULTS.json OUT.png
+    python -m bench.plot_side_by_side RESULTS.json [MORE.json ...] OUT.png
+    python -m bench.plot_side_by_side bench/results/estimate_h200.json \
+        bench/results/chunked_h200.json bench/results/side_by_side_h200.png
 
 One group of bars a case (in the records' order), one bar an implementation (a record's
 `impl` up to its first " (", so that labelled records of several calls group together);
@@ -54,7 +56,8 @@ def side_by_side_figure(records: list[dict]):
     ax.set_ylim(top=highest * 1.8)  # room for the tallest bar's label
     ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("time / floor (bar labels: ms)")
-    ax.set_title(f"XAttention estimate, {records[0]['gpu']}, {records[0]['date']} "
+    dates = ", ".join(sorted({r["date"] for r in records}))
+    ax.set_title(f"XAttention estimate, {records[0]['gpu']}, {dates} "
                  "(black tick: the same run's matmul floor)", fontsize=9)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -64,7 +67,7 @@ def side_by_side_figure(records: list[dict]):
 
 def main(argv=None) -> None:
     records, _, out = records_and_output(
-        argv, "python -m bench.plot_side_by_side RESULTS.json OUT.png")
+        argv, "python -m bench.plot_side_by_side RESULTS.json [MORE.json ...] OUT.png")
     side_by_side_figure(records).savefig(out, dpi=130)
 
 

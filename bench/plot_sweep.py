@@ -1,6 +1,7 @@
 """Plots time against block size from `bench.estimate --json` records, ours and the original's.
 
-    python -m bench.plot_sweep RESULTS.json OUT.png
+    python -m bench.plot_sweep RESULTS.json [MORE.json ...] OUT.png
+    python -m bench.plot_sweep bench/results/estimate_h200.json sweep.png
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ _CASE = re.compile(r"noncausal-(\d+k)-b(\d+)$")
 
 def main(argv=None) -> None:
     records, source, out = records_and_output(
-        argv, "python -m bench.plot_sweep RESULTS.json OUT.png")
+        argv, "python -m bench.plot_sweep RESULTS.json [MORE.json ...] OUT.png")
     import matplotlib.pyplot as plt
 
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}

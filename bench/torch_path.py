@@ -61,9 +61,9 @@ from bench.chunked import FULL, SMALL, floor_of, kernel_rows, tokens  # noqa: E4
 from bench.common import (Sizes, floor_ms, log, print_report, record,  # noqa: E402
                           strided_flops, time_ms, write_json)
 
-SELECT_SLACK_MS = 0.12  # select_blocks over the kernel (issue 15)
-HOST_SLACK_MS = 0.04  # eager over pre-jitted; bridged over plain host time
-THROUGHPUT_SLACK = 0.03  # bridged over plain device time at 32K
+SELECT_SLACK_MS = 0.12  # target: select_blocks over the kernel
+HOST_SLACK_MS = 0.04  # target: eager over pre-jitted; bridged over plain host time
+THROUGHPUT_SLACK = 0.03  # target: bridged over plain device time at 32K
 STAGED = 2  # pages offloaded to CPU memory in the staged rows
 PAIRED_ROUNDS = 7  # alternating rounds of the host rows compared with a target
 SMALL_PAGE = 16  # vLLM's page size
@@ -219,8 +219,8 @@ def _paired_ms(measure, base, other) -> tuple[float, float]:
     """`measure(fn)` of `base` and of `other` in PAIRED_ROUNDS alternating rounds: the
     median of each one's figures over the rounds, so that the two compared figures are
     taken under the same conditions. The host rows' targets (0.04 ms) are smaller than
-    the drift between two measurements minutes apart on the device machine (0.03-0.07 ms,
-    torch_path_h200.md, session 10)."""
+    the drift between two measurements minutes apart on the device machine (0.03-0.07 ms
+    on the H200, 2026-11-30)."""
     rounds = [(measure(base), measure(other)) for _ in range(PAIRED_ROUNDS)]
     return tuple(statistics.median(r[i] for r in rounds) for i in (0, 1))
 

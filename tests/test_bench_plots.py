@@ -38,3 +38,21 @@ def test_side_by_side_refuses_two_records_of_one_bar():
                _record("causal-32k", "xattn-jax-mosaic (call 3)", 1.1, 0.5)]
     with pytest.raises(ValueError, match="causal-32k.*xattn-jax-mosaic"):
         side_by_side_figure(records)
+
+
+def test_records_of_several_files_plot_together(tmp_path):
+    import json
+
+    from bench.plotting import records_and_output
+
+    first, second = tmp_path / "estimate.json", tmp_path / "chunked.json"
+    first.write_text(json.dumps([_record("causal-32k", "original", 4.0, 0.5)]))
+    chunk = _record("chunk4096-ctx64k", "original", 17.5, 0.4)
+    second.write_text(json.dumps([dict(chunk, date="2026-11-30")]))
+    records, source, out = records_and_output([str(first), str(second), "out.png"], "usage")
+    assert [r["case"] for r in records] == ["causal-32k", "chunk4096-ctx64k"]
+    assert (source, out) == (str(first), "out.png")
+    title = side_by_side_figure(records).axes[0].get_title()
+    assert "2026-11-30, 2026-12-03" in title
+    with pytest.raises(SystemExit):
+        records_and_output([str(first)], "usage")

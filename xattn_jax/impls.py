@@ -15,11 +15,11 @@ and nowhere else.
   take and for calls of fewer CTAs than `mosaic.estimate_plan.auto_min_ctas()` (3/4 of
   the SMs), key groups included (short calls on few heads, whose keys the Triton kernel
   splits among more programs; a chunk sharded over 2 GPUs reaches 128 CTAs in key groups
-  and stays on Mosaic; otherwise the Mosaic block sums measured 1.05-1.19x faster than
-  the Triton kernel on every timed case on the H200,
-  `bench/results/mosaic_estimate_h200.md`), "triton" on other GPUs, "reference"
-  elsewhere; for attention "mosaic" where it can run and takes the call's arguments
-  (dtype, head dim, block size, page size), else "reference".
+  and stays on Mosaic; otherwise the Mosaic block sums measured 1.12-1.28x faster than
+  the Triton kernel on every timed case on the H200, `bench/results/estimate_h200.md`),
+  "triton" on other GPUs, "reference" elsewhere; for attention "mosaic" where it can run
+  and takes the call's arguments (dtype, head dim, block size, page size), else
+  "reference".
 
 The device is that of the first concrete `jax.Array` among the inputs; inside a trace
 (a caller's `jax.jit`), where an input has no device yet, it is JAX's default backend
@@ -43,7 +43,9 @@ from xattn_jax.triton.plan import plan_block_sums, plan_select_blocks, plan_stri
 
 IMPLS = ("auto", "reference", "triton", "mosaic")
 ESTIMATE, ATTENTION = "estimate", "attention"  # the families of ops `resolve` serves
-TRITON_MAX_KEY_BLOCKS = 16384  # wider rows select with the reference (XLA sort)
+# wider rows select with the reference, an XLA sort
+# (docs/tuning.md: select-reference-above-16384)
+TRITON_MAX_KEY_BLOCKS = 16384
 
 _reference_scores = jax.jit(reference.strided_scores, static_argnums=(2, 3))
 

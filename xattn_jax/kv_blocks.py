@@ -34,11 +34,9 @@ EMPTY_BLOCK = -1.0  # the score of a KV block that holds no key (a real share is
 # Up to this many KV blocks the selection ranks them by comparing every pair (one fusion
 # of n x n comparisons per row, `_take_ranked_by_pairs`); beyond, by sorting
 # (`reference.take_descending`: two argsorts, a cumulative sum and gathers, several small
-# kernels). H200, the 4096-query chunk call on Mosaic over 64K / 128K (16 / 32 blocks):
-# 10 / 11 kernels after the Mosaic one instead of 14, 20.7 / 23.1 us instead of 26.9 /
-# 28.4 (profiler, 10 calls); the whole call within the spread (0.4595 / 0.9107 ms
-# against 0.4627 / 0.9074); masks equal (session 18). 256 blocks (a 1M-token context in
-# blocks of 4096) is a bound on the n x n work, not a measured break-even.
+# kernels): fewer kernels after the Mosaic one, the whole chunk call within the spread
+# on the H200. 256 blocks (a 1M-token context in blocks of 4096) is a bound on the n x n
+# work, not a measured break-even (docs/tuning.md: kv-rank-by-pairs).
 RANK_BY_PAIRS_MAX_BLOCKS = 256
 _KV_SCORE_CALLS = CheckedCalls()  # kv_block_scores' prepared calls (no block table)
 _KV_SELECT_CALLS = CheckedCalls()  # select_kv_blocks' prepared calls

@@ -46,9 +46,9 @@ from xattn_jax.row_statistics import LOG2_E
 
 LN_2 = math.log(2.0)
 _M_START = -1e30  # running max before any visible key (log2 units); finite on purpose
-# Registers per thread, raised in the consumer warpgroups and lowered in the producer's.
-# H200, the estimate's kernel (session 14, mosaic_estimate_h200.md): 240 / 24 ran within
-# the rounds' spread of these (causal 32K 1.124 / 1.165 ms, non-causal 64K 7.230 / 7.131).
+# Registers per thread, raised in the consumer warpgroups and lowered in the producer's;
+# 240 / 24 ran within the rounds' spread of these (docs/tuning.md:
+# mosaic-warpgroup-registers).
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 SWIZZLE_BYTES = 128

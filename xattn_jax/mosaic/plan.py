@@ -6,8 +6,9 @@ each, plus one producer warpgroup that streams key/value tiles of `block_kv` key
 CTA's rows must lie inside one row of the block mask: `block_size` must be a multiple of
 `rows_per_cta` (and of `block_kv`, so that a mask block is a whole number of key tiles).
 
-The tuned numbers below are first guesses from the FlashAttention-3 design on H100/H200
-(to be measured on the H200 with `python -m bench.mosaic_attention_check`).
+The numbers below follow the FlashAttention-3 design on H100/H200; the key tile and
+the stages were measured on the H200 with `python -m bench.mosaic_attention_check`
+(docs/tuning.md: attention-key-tile-and-stages, attention-query-rows).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import jax.numpy as jnp
 from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
 
 COMPUTE_WARPGROUPS = 2  # consumers whose softmax overlaps the other one's matmuls
-BLOCK_Q = 64  # query rows per consumer warpgroup (one wgmma M tile); to be measured
-BLOCK_KV_BY_HEAD_DIM = {64: 128, 128: 128, 256: 64}  # keys per tile; to be measured
-STAGES = 2  # key/value tiles in flight; to be measured
+BLOCK_Q = 64  # query rows per consumer warpgroup (one wgmma M tile)
+BLOCK_KV_BY_HEAD_DIM = {64: 128, 128: 128, 256: 64}  # keys per tile (timed at D 128)
+STAGES = 2  # key/value tiles in flight
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

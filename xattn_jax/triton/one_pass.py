@@ -7,7 +7,7 @@ per reshaped query row and key tile t (score tile from `RowTile`):
 - m[t, r] = max over the tile's columns of A'[r, c] (A' = A * log2(e));
 - x[t, r, u] = sum over the columns c of unit u of 2^(A'[r, c] - m[t, r]);
 - s[t, r] = sum_u x[t, r, u], stored where a tile has several units, so that the
-  epilogue reads the large x once, not twice (tuning.md note 18),
+  epilogue reads the large x once, not twice (docs/tuning.md: triton-row-totals),
 
 where a unit is `Plan.unit` = gcd(block_rows, block_k) columns (a block is a whole
 number of units). Every key tile is independent, so programs can split a row's keys among

@@ -3,8 +3,8 @@ many kernel calls, with how much scratch. Built here, from the geometry, the dty
 causal flag, where it runs and the caller's scratch bound; the kernels read the plan and
 derive nothing themselves.
 
-Tuned values (`TUNED`, `ONE_PASS_*`, `*_SPAN`, `MIN_PROGRAMS`) were measured on an H200
-with `python -m bench.tune`; bench/results/tuning.md has the tables, cited per value.
+Tuned values (`TUNED`, `ONE_PASS_*`, `*_SPAN`, `MIN_PROGRAMS`, `SELECT_*`) were measured
+on an H200 with `python -m bench.tune`; docs/tuning.md has the decisions, cited by name.
 """
 
 from __future__ import annotations
@@ -50,41 +50,40 @@ class Tiles:
 
 # By input itemsize. 2 bytes (bf16 / f16): 128 x 256 tiles, 8 warps, 4 stages, the head
 # dim in steps of 64 (192 KiB of shared memory): 1.1-1.15x over 128 x 128 tiles taking
-# the whole head dim in 3 stages (tuning.md, notes 2-4). 4 bytes (float32, the exactness
-# path): twice the shared memory per tile, so 32 x 32 (a 64 x 64 tile with 2 stages asked
-# for 256 KiB, over the H200's 227 KiB).
+# the whole head dim in 3 stages (docs/tuning.md: triton-tile-2byte). 4 bytes (float32,
+# the exactness path): twice the shared memory per tile, so 32 x 32 (a 64 x 64 tile with
+# 2 stages asked for 256 KiB, over the H200's 227 KiB; docs/tuning.md: triton-tile-4byte).
 TUNED = {2: Tiles(block_q=128, block_k=256, block_d=64, num_warps=8, num_stages=4),
          4: Tiles(block_q=32, block_k=32, block_d=None, num_warps=4, num_stages=2)}
-BASE_HEAD_DIM = 128  # head dims above this shrink the tuned tile in proportion
-SPAN, CAUSAL_SPAN = 8, 2  # key tiles per one-pass program (tuning.md, notes 12 and 25)
-MIN_PROGRAMS = 1024  # one-pass grids smaller than this split the keys further
+BASE_HEAD_DIM = 128  # larger head dims shrink the tile (docs/tuning.md: triton-head-dim-shrink)
+# key tiles per one-pass program (docs/tuning.md: triton-span, triton-causal-span)
+SPAN, CAUSAL_SPAN = 8, 2
+MIN_PROGRAMS = 1024  # smaller grids split the keys further (docs/tuning.md: triton-min-programs)
 # One-pass scratch: a call whose whole scratch fits in 1.5 GiB runs in one kernel call
 # (64K tokens, 32 heads: 0.06-1.06 GiB for blocks of 4096 down to 64; row steps of 48 MiB
-# measured 6-17% slower there, tuning.md note 19). Larger calls step within 48 MiB (keeps
-# the 128K causal call within 64 MiB), or within 1/16 of their float32 result where that
-# is more (1M tokens x 32 heads: 512 MiB hold 13K rows of one head per call).
+# measured 6-17% slower there; docs/tuning.md: triton-whole-call-scratch). Larger calls
+# step within 48 MiB (keeps the 128K causal call within 64 MiB), or within 1/16 of their
+# float32 result where that is more (1M tokens x 32 heads: 512 MiB hold 13K rows of one
+# head per call; docs/tuning.md: triton-step-scratch).
 ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
 ONE_PASS_STEP_BYTES = 48 << 20
 SCRATCH_PER_RESULT = 16
 # The selection program: rows x padded key blocks it holds, and its warps, by the
 # padded width up to which they apply (the last: every wider row). At widths 256-2048
-# each is the fastest of 1-16 rows with 2-8 warps measured on the H200 (tuning.md note
-# 33: 5-11% faster than the earlier 4096 elements with 4 or 8 warps at widths 512-2048,
-# within the spread at 256); wider rows, not measured, keep those.
+# each is the fastest of 1-16 rows with 2-8 warps measured on the H200 (5-11% faster than
+# the earlier 4096 elements with 4 or 8 warps at widths 512-2048, within the spread at
+# 256); wider rows, not measured, keep those (docs/tuning.md: select-programs).
 SELECT_PROGRAMS = ((512, 1024, 2), (2048, 2048, 4), (None, 4096, 8))
 # A causal selection's row tiles run in up to SELECT_WIDTHS kernel calls, by the padded
 # width their rows' allowed blocks need (`plan_select_blocks`): W, W / 2, .. (W: kb
 # padded to a power of two), none narrower than min(W / 2, SELECT_MIN_WIDTH); the
 # narrower calls search fewer blocks in each of their 31 steps (at Lq = Lk, 3/4 of them
-# in 2 widths, 11/16 in 3). H200, the selection alone on causal [1, 32, qb, qb], medians
-# of 5 rotating rounds, 1 / 2 / 3 / 4 widths (session 29): qb 256 0.0383 / 0.0350 /
-# 0.0371 / 0.0396 ms, 512 0.0780 / 0.0674 / 0.0727 / 0.0732, 1024 0.2949 / 0.2334 /
-# 0.2409 / 0.2458, 2048 1.2011 / 0.9639 / 0.9356 / 0.9453, 8192 (causal 1M) 21.507 /
-# 16.793 / 15.568 / 15.569: calls narrower than 512 blocks lose more to their launch
-# than their rows save.
+# in 2 widths, 11/16 in 3). On the H200 3 widths took causal 1M's selection from 21.5
+# to 15.6 ms, and calls narrower than 512 blocks lose more to their launch than their
+# rows save (docs/tuning.md: select-widths).
 SELECT_WIDTHS = 3
 SELECT_MIN_WIDTH = 512
-SCORES_TILE = 64  # the standalone score kernel's square tile (at most the tuned block_q)
+SCORES_TILE = 64  # the score kernel's square tile, <= block_q (docs/tuning.md: triton-scores-tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +222,7 @@ def _call_shape(plan: Plan, max_scratch_bytes: int) -> tuple[int, int] | None:
     its rows in steps that are multiples of both block_q and block_rows. A call's
     programs then share one head's keys, which stay in L2; steps over all heads with a
     few rows each read every head's keys again in every step, and measured 2-10% slower
-    (tuning.md, note 24). None if not even one row step of one head fits.
+    (docs/tuning.md: triton-head-steps). None if not even one row step of one head fits.
     """
     geom = plan.geom
     all_rows = plan.padded_rows
