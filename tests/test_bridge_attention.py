@@ -91,6 +91,32 @@ def test_xattention_matches_xattn_jax(rand):
     assert_same((out, mask), want, rand)
 
 
+def test_repeated_xattention_calls_skip_the_checks(rand, monkeypatch):
+    """xattn_jax.xattention (and its checks) runs once, when the bridge's compiled call is
+    traced; later calls, with another float threshold too, reuse that call. A value equal
+    to an earlier one but of another type is still refused."""
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(kwargs["threshold"])
+        return xattn_jax_xattention(*args, **kwargs)
+
+    xattn_jax_xattention = xattn_jax.xattention
+    monkeypatch.setattr(xattn_jax, "xattention", counted)
+    shape = dataclasses.replace(LONGER, q_len=80, k_len=112)  # traced by this test only
+    q, k, v, _ = qkv_mask(rand, shape=shape)
+    kwargs = dict(block_size=BLOCK, stride=shape.stride, return_mask=True)
+    for threshold in (0.5, 0.5, 0.8):
+        got = bridge.xattention(q, k, v, threshold=threshold, **kwargs)
+        assert_same(got, xattn_jax_xattention(*(jax_of(t) for t in (q, k, v)),
+                                              threshold=threshold, **kwargs), rand)
+    assert len(traced) == 1
+    with pytest.raises((TypeError, ValueError), match="block_size"):
+        bridge.xattention(q, k, v, **dict(kwargs, block_size=float(BLOCK)))
+    with pytest.raises((TypeError, ValueError), match="norm must"):  # unhashable
+        bridge.xattention(q, k, v, **dict(kwargs, norm=[1.0]))
+
+
 def test_grad_inputs_are_detached(rand):
     q, k, v, mask = qkv_mask(rand)
     got = bridge.block_sparse_attention(q.requires_grad_(), k, v.requires_grad_(), mask,
