@@ -161,12 +161,13 @@ def _rows(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool):
 
 def select(sums, threshold, *, causal: bool, keep_sink: bool = False,
            keep_recent: bool = False) -> np.ndarray:
-    """Section 4 as a plain loop in float64. A row with a non-finite total keeps every
-    allowed block (the library's documented NaN/inf policy)."""
+    """Section 4 as a plain loop in float64. A threshold of 1 or more, and a row with a
+    non-finite total (the library's documented NaN/inf policy), keep every allowed block."""
     mask = np.zeros(np.shape(sums), bool)
+    t = thresholds(threshold, np.shape(sums)[1])
     for idx, row, total, target, forced_row, allowed_row in _rows(
             sums, threshold, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent):
-        if not np.isfinite(total):
+        if not np.isfinite(total) or t[idx[1]] >= 1:
             mask[idx] = allowed_row
             continue
         chosen = forced_row.copy()
@@ -252,7 +253,8 @@ def check_mask_rules(mask, sums, threshold, *, causal: bool, keep_sink: bool = F
       sum and lower index);
     - minimal by count: dropping the smallest selected candidate falls below t*T
       (within rtol*T); with no candidate selected, the forced blocks reach t*T alone;
-    - a row with a non-finite total selects exactly the allowed blocks.
+    - a row with a non-finite total, and every row at a threshold of 1 or more, selects
+      exactly the allowed blocks.
     Returns the number of finite rows checked.
     """
     mask, sums = np.asarray(mask), f64(sums)
@@ -269,9 +271,9 @@ def check_mask_rules(mask, sums, threshold, *, causal: bool, keep_sink: bool = F
                 row, sel = sums[bi, hi, r], mask[bi, hi, r]
                 where = f"{msg}: row (b={bi}, h={hi}, I={r}) sums={row} mask={sel.astype(int)}"
                 total = row.sum()
-                if not np.isfinite(total):
-                    assert np.array_equal(sel, allowed[r]), f"{where}: non-finite row " \
-                        f"must select every allowed block {allowed[r].astype(int)}"
+                if not np.isfinite(total) or t[hi] >= 1:
+                    assert np.array_equal(sel, allowed[r]), f"{where}: a non-finite row " \
+                        f"or t >= 1 must select every allowed block {allowed[r].astype(int)}"
                     continue
                 checked += 1
                 assert np.all(sel[forced[r]]), f"{where}: forced block not selected"

@@ -292,21 +292,24 @@ def test_xattention_is_estimate_then_attention(causal, rand):
                          causal=causal, v_head_dim=8)
     layout = dict(case.options, stride=case.stride)
     q, k, v = qkv(rand, case)
-    out, mask = xattend(q, k, v, threshold=0.8, return_mask=True, **layout)
-    _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.8, impl="reference", **layout)
+    widening = dict(min_blocks=2, dense_last=1)
+    out, mask = xattend(q, k, v, threshold=0.8, return_mask=True, **widening, **layout)
+    _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.8, impl="reference",
+                                            **widening, **layout)
     np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask), err_msg=str(rand))
     assert not np.all(np.asarray(mask)), "a mask with nothing dropped tests little"
     want = attend(q, k, v, want_mask, **case.options)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6,
                                err_msg=str(rand))
-    alone = xattend(q, k, v, threshold=0.8, **layout)
+    alone = xattend(q, k, v, threshold=0.8, **widening, **layout)
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(out))
 
 
 def test_xattention_threshold_is_data(rand):
     case = AttentionCase("xattention-mha", 1, 2, 2, 64, 64, 8, stride=4, block_size=16)
     q, k, v = qkv(rand, case)
-    kwargs = dict(block_size=case.block_size, stride=case.stride, return_mask=True)
+    kwargs = dict(block_size=case.block_size, stride=case.stride, return_mask=True,
+                  min_blocks=0, dense_last=0)
     xattend(q, k, v, threshold=0.9, **kwargs)
     compiled = partitioning._run._cache_size()
     masks = [np.asarray(xattend(q, k, v, threshold=t, **kwargs)[1])

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import impls, partitioning
-from xattn_jax.checks import (CheckedCalls, check_block_sums, check_flag, check_norm,
-                              check_qk, check_scratch_bytes, threshold_per_head)
+from xattn_jax.checks import (CheckedCalls, check_block_sums, check_flag, check_int,
+                              check_norm, check_qk, check_scratch_bytes, threshold_per_head)
 from xattn_jax.geometry import Geometry
 from xattn_jax.impls import Implementation
+from xattn_jax.reference.estimate import widen
 
 QK_LAYOUTS = ("B H ...", "B K ...")  # q, k (`partitioning.on_shards`)
 _ESTIMATE_CALLS = CheckedCalls()  # xattn_estimate's prepared calls
@@ -42,16 +43,18 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
 
 
 def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
-                  keep_sink: bool = False, keep_recent: bool = False,
-                  impl: str = "auto") -> jax.Array:
+                  keep_sink: bool = False, keep_recent: bool = False, min_blocks: int = 0,
+                  dense_last: int = 0, impl: str = "auto") -> jax.Array:
     """docs/estimate.md section 4 on given block sums: float32 `[B, Hq, qb, kb]` -> bool mask.
 
     block_sums: floats (any float dtype, computed in float32), no more query than key
       blocks. threshold: a float in (0, 1] or one value per query head, `[Hq]`.
+      min_blocks / dense_last: the widening of section 4, as in `xattn_estimate`.
     Unchecked values (a jax.Array threshold, whose values are not read; `xattn_jax.checked`
     checks them): as in `xattn_estimate`.
     """
-    options = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent, impl=impl)
+    options = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent,
+                   min_blocks=min_blocks, dense_last=dense_last, impl=impl)
 
     def prepare():
         check_block_sums(block_sums)
@@ -59,36 +62,42 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
                                       causal=check_flag("causal", causal),
                                       keep_sink=check_flag("keep_sink", keep_sink),
                                       keep_recent=check_flag("keep_recent", keep_recent),
+                                      min_blocks=check_int("min_blocks", min_blocks, 0),
+                                      dense_last=check_int("dense_last", dense_last, 0),
                                       impl=impls.resolve(impl, block_sums))
 
     run = _SELECT_CALLS.prepared(_SELECT_CALLS.signature((block_sums,), options), prepare)
     return run(block_sums, threshold_per_head(threshold, block_sums.shape[1]))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent", "impl"))
+@functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent",
+                                             "min_blocks", "dense_last", "impl"))
 def _select(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool,
-            impl: Implementation):
-    return impl.select_blocks(sums.astype(jnp.float32), threshold, causal=causal,
-                              keep_sink=keep_sink,
+            min_blocks: int, dense_last: int, impl: Implementation):
+    sums = sums.astype(jnp.float32)
+    mask = impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
                               keep_recent=keep_recent)
+    return widen(mask, sums, causal=causal, min_blocks=min_blocks, dense_last=dense_last)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "causal", "norm", "keep_sink",
-                                             "keep_recent", "impl", "max_scratch_bytes"))
+                                             "keep_recent", "min_blocks", "dense_last",
+                                             "impl", "max_scratch_bytes"))
 def _estimate(q, k, threshold, *, geom: Geometry, causal: bool, norm: float,
-              keep_sink: bool, keep_recent: bool, impl: Implementation,
-              max_scratch_bytes: int | None):
+              keep_sink: bool, keep_recent: bool, min_blocks: int, dense_last: int,
+              impl: Implementation, max_scratch_bytes: int | None):
     sums = impl.block_sums(q, k, geom=geom, causal=causal, norm=norm,
                            max_scratch_bytes=max_scratch_bytes)
     mask = impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
                               keep_recent=keep_recent)
-    return sums, mask
+    return sums, widen(mask, sums, causal=causal, min_blocks=min_blocks,
+                       dense_last=dense_last)
 
 
 def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride: int = 8,
                    threshold=0.9, causal: bool = True, norm: float = 1.0,
                    keep_sink: bool = False, keep_recent: bool = False,
-                   impl: str = "auto",
+                   min_blocks: int = 0, dense_last: int = 0, impl: str = "auto",
                    max_scratch_bytes: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The XAttention estimate (docs/estimate.md sections 1-4) as one jitted call.
 
@@ -98,7 +107,8 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
         h // (Hq // Hkv)). float32, bfloat16 or float16, the same for both; any lengths.
       block_size: tokens per block, a positive multiple of `stride`.
       stride: S, tokens per antidiagonal group.
-      threshold: share of each row's mass to keep, in (0, 1]: a float, or `[Hq]` floats.
+      threshold: share of each row's mass to keep, in (0, 1] (1: every block): a float,
+        or `[Hq]` floats.
         Passed as data, so changing it does not recompile. Numbers, numpy values and
         lists are checked on the host; a jax.Array (maybe traced) only in checked mode
         (`xattn_jax.checked`). Unchecked, a jax.Array value of 0 or below, or NaN, keeps
@@ -108,6 +118,9 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       norm: extra divisor of the scores (a softmax temperature).
       keep_sink / keep_recent: also always keep key block 0 / the diagonal block (these
         are always kept in causal mode).
+      min_blocks: each row also keeps its min_blocks highest-scoring allowed blocks.
+      dense_last: the rows of the last dense_last query blocks keep every allowed block.
+        (Both widen the selection after the threshold rule: docs/estimate.md section 4.)
       impl: "auto", "reference", "triton" or "mosaic" (`xattn_jax.impls`).
       max_scratch_bytes: bound on the Pallas kernel's scratch, in bytes. None: the whole
         scratch where it fits in 1.5 GiB (0.6 GiB at 64K tokens, 32 heads, block 128),
@@ -137,8 +150,8 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     of the matching q entry.
     """
     options = dict(block_size=block_size, stride=stride, causal=causal, norm=norm,
-                   keep_sink=keep_sink, keep_recent=keep_recent, impl=impl,
-                   max_scratch_bytes=max_scratch_bytes)
+                   keep_sink=keep_sink, keep_recent=keep_recent, min_blocks=min_blocks,
+                   dense_last=dense_last, impl=impl, max_scratch_bytes=max_scratch_bytes)
 
     def prepare():
         geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
@@ -147,6 +160,8 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
                                       norm=check_norm(norm),
                                       keep_sink=check_flag("keep_sink", keep_sink),
                                       keep_recent=check_flag("keep_recent", keep_recent),
+                                      min_blocks=check_int("min_blocks", min_blocks, 0),
+                                      dense_last=check_int("dense_last", dense_last, 0),
                                       impl=impls.resolve(impl, q, k),
                                       max_scratch_bytes=check_scratch_bytes(max_scratch_bytes))
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from xattn_jax import impls, partitioning
 from xattn_jax.api import xattn_estimate
-from xattn_jax.checks import (cached_keys, check_flag, check_norm, check_qk, check_traced,
-                              threshold_per_head)
+from xattn_jax.checks import (cached_keys, check_flag, check_int, check_norm, check_qk,
+                              check_traced, threshold_per_head)
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.impls import Implementation
 
@@ -184,26 +184,31 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     return run(q, k, v, mask, key_count, table)
 
 
+# xattention's selection defaults (docs/tuning.md: selection-defaults)
+THRESHOLD = 0.95
+MIN_BLOCKS = 4
+DENSE_LAST = 1
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "estimate_impl", "block_size",
-                                             "stride", "causal", "norm", "scale",
-                                             "return_mask"))
+                                             "stride", "causal", "norm", "min_blocks",
+                                             "dense_last", "scale", "return_mask"))
 def _xattention(q, k, v, threshold, *, impl: Implementation, estimate_impl: Implementation,
-                block_size: int,
-                stride: int, causal: bool, norm: float, scale: float | None,
-                return_mask: bool):
+                block_size: int, stride: int, causal: bool, norm: float, min_blocks: int,
+                dense_last: int, scale: float | None, return_mask: bool):
     _, mask = xattn_estimate(q, k, block_size=block_size, stride=stride,
                              threshold=threshold, causal=causal, norm=norm,
+                             min_blocks=min_blocks, dense_last=dense_last,
                              impl=estimate_impl)
     out = impl.block_sparse_attention(q, k, v, mask, block_size=block_size, causal=causal,
-                                      scale=scale,
-                 return_lse=False)
+                                      scale=scale, return_lse=False)
     return (out, mask) if return_mask else out
 
 
-def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
+def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
                block_size: int = 128, stride: int = 8, causal: bool = True,
-               norm: float = 1.0, scale: float | None = None, return_mask: bool = False,
-               impl: str = "auto"):
+               norm: float = 1.0, min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
+               scale: float | None = None, return_mask: bool = False, impl: str = "auto"):
     """XAttention (docs/estimate.md sections 1-4, then 6): the estimate's block mask, then
     attention over it, as one jitted call.
 
@@ -211,10 +216,14 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
       q, k, v: `[B, Hq, Lq, D]`, `[B, Hkv, Lk, D]`, `[B, Hkv, Lk, Dv]`, one dtype (float32,
         bfloat16 or float16), Lq <= Lk, Hq % Hkv == 0; with causal=True and Lq < Lk,
         Lk - Lq must be a multiple of block_size (the estimate's rule).
-      threshold: the estimate's share of each row's mass to keep, in (0, 1]: a float or
-        `[Hq]` floats. Data: changing it does not recompile.
-      block_size, stride, causal, norm: as in `xattn_estimate` (norm tempers the estimate
-        only); the attention uses the same block_size and causal.
+      threshold: the estimate's share of each row's mass to keep, in (0, 1] (1: dense): a
+        float or `[Hq]` floats (one row of a `xattn_jax.calibrate` table). Data: changing
+        it does not recompile.
+      block_size, stride, causal, norm, min_blocks, dense_last: as in `xattn_estimate`
+        (norm tempers the estimate only); the attention uses the same block_size and
+        causal. The defaults of threshold, min_blocks and dense_last are chosen for a real
+        model's quality (docs/tuning.md: selection-defaults), where `xattn_estimate`'s
+        are the original XAttention's.
       scale: the attention's q.k multiplier, default 1 / sqrt(D).
       return_mask: also return the mask (True or False).
       impl: the attention's implementation, as in `block_sparse_attention`. The estimate
@@ -235,6 +244,8 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=0.9,
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,
         estimate_impl=estimate_impl, block_size=geom.block_size, stride=geom.stride,
-        causal=bool(causal), norm=check_norm(norm), scale=_check_scale(scale),
+        causal=check_flag("causal", causal), norm=check_norm(norm),
+        min_blocks=check_int("min_blocks", min_blocks, 0),
+        dense_last=check_int("dense_last", dense_last, 0), scale=_check_scale(scale),
         return_mask=return_mask)
     return run(q, k, v, t)

@@ -23,11 +23,12 @@ import jax
 import torch
 import xattn_jax
 from xattn_jax import impls
+from xattn_jax.attention import THRESHOLD
 from xattn_jax.checks import CheckedCalls, check_flag, threshold_per_head
 
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, Place, place_of, to_torch,
                                        views_for_one_computation)
-from xattn_torch_bridge.estimate import DEFAULT_THRESHOLD, _detached
+from xattn_torch_bridge.estimate import _detached
 
 _prepared_calls = CheckedCalls()  # `_prepared`'s argument sets
 
@@ -99,7 +100,7 @@ def xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, copy: bool 
     Returns out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, mask)` with return_mask: torch
     tensors on q's device sharing memory with JAX's results.
     """
-    threshold = kwargs.pop("threshold", DEFAULT_THRESHOLD)
+    threshold = kwargs.pop("threshold", THRESHOLD)
     if isinstance(threshold, torch.Tensor):
         threshold = threshold.tolist()
     views, place = _views(copy, q=q, k=k, v=v)

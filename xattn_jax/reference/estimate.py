@@ -108,8 +108,8 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
     block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32 `[Hq]`. Returns bool
     `[B, Hq, qb, kb]`. Forced blocks count towards the threshold; the others are taken in
     descending order (ties: lower index first) while the selected total is below
-    threshold * row total. A row whose total is not finite (NaN or inf in q or k) selects
-    every allowed block, so nothing is dropped silently.
+    threshold * row total. A threshold of 1 or more, and a row whose total is not finite
+    (NaN or inf in q or k), select every allowed block, so nothing is dropped silently.
     """
     qb, kb = block_sums.shape[-2:]
     forced, allowed = forced_and_allowed(qb, kb, causal=causal, keep_sink=keep_sink,
@@ -118,7 +118,30 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
     forced_mass = jnp.where(forced, block_sums, 0.0).sum(axis=-1, keepdims=True)
     take = take_descending(block_sums, allowed & ~forced, forced_mass,
                            threshold[None, :, None, None] * total)
-    return jnp.where(jnp.isfinite(total), forced | take, allowed)
+    keep_all = ~jnp.isfinite(total) | (threshold[None, :, None, None] >= 1)
+    return jnp.where(keep_all, allowed, forced | take)
+
+
+def widen(mask: jax.Array, block_sums: jax.Array, *, causal: bool, min_blocks: int,
+          dense_last: int) -> jax.Array:
+    """Section 4's widening of a selected mask: bool `[B, Hq, qb, kb]`, at least `mask`.
+
+    Each row also keeps its `min_blocks` highest-scoring allowed blocks (`block_sums`,
+    float32 `[B, Hq, qb, kb]`; equal sums: lower index first), and the rows of the last
+    `dense_last` query blocks keep every allowed block.
+    """
+    qb, kb = block_sums.shape[-2:]
+    _, allowed = forced_and_allowed(qb, kb, causal=causal, keep_sink=False,
+                                    keep_recent=False)
+    count = min(min_blocks, kb)
+    if count:
+        scores = jnp.where(allowed, jnp.nan_to_num(block_sums, nan=0.0), -1.0)
+        _, top = jax.lax.top_k(scores, count)  # [B, Hq, qb, count]
+        picked = (top[..., None] == jnp.arange(kb)).any(axis=-2)
+        mask = mask | (picked & allowed)
+    if dense_last:
+        mask = mask | (allowed & (jnp.arange(qb)[:, None] >= qb - dense_last))
+    return mask
 
 
 def block_sums(q: jax.Array, k: jax.Array, geom: Geometry, *, causal: bool,

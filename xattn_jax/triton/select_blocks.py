@@ -91,10 +91,12 @@ def _select_kernel(sums_ref, threshold_ref, *refs, q_blocks: int, k_blocks: int,
     take_tie = tied & (above_mass[:, None] + ties_before * tie_value[:, None] < target[:, None])
     chosen = forced | above | take_tie
     # Forced blocks alone reach the target: nothing more. The candidates together miss it
-    # (float rounding at threshold 1): all of them. A non-finite row: everything allowed.
+    # (float rounding): all of them.
     chosen = jnp.where((forced_mass >= target)[:, None], forced, chosen)
     chosen = jnp.where(reached(jnp.zeros((rows,), jnp.int32))[:, None], chosen, forced | candidate)
-    chosen = jnp.where(jnp.isfinite(total)[:, None], chosen, allowed)
+    # A threshold of 1 or more, or a non-finite row: everything allowed.
+    keep_all = ~jnp.isfinite(total) | (threshold_ref[h] >= 1)
+    chosen = jnp.where(keep_all[:, None], allowed, chosen)
     mask_ref[:, pl.ds(0, width)] = chosen  # padding: False (`real` is in every term)
 
 
