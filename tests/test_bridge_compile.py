@@ -9,10 +9,13 @@ test compiles with inductor on CUDA tensors (`pytest -m gpu tests/test_bridge_co
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bridge_inputs import needs_cuda, qk  # noqa: E402
 from cases import PAGED, EstimateCase  # noqa: E402
@@ -59,11 +62,20 @@ def test_estimate_compiles_without_graph_break(rand):
 def test_estimate_op_fake_shapes_match(rand):
     q, k = qk(rand, MODEL)
     args = (q, k, [0.9], MODEL.block_size, MODEL.stride, MODEL.causal, 1.0, False, False,
-            "reference", None, False)
+            2, 1, "reference", None, False)
     real = torch.ops.xattn.estimate(*args)
     torch.library.opcheck(torch.ops.xattn.estimate.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     assert real[0].shape == (1, 4, 3, 7) and real[1].dtype == torch.bool
+
+
+def test_estimate_op_takes_every_option_of_xattn_estimate():
+    """The op's arguments: the threshold, then xattn_jax.xattn_estimate's other keywords in
+    its order, then copy."""
+    keywords = [name for name, p in inspect.signature(xattn_jax.xattn_estimate).parameters
+                .items() if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "threshold"]
+    schema = [a.name for a in torch.ops.xattn.estimate.default._schema.arguments]
+    assert schema == ["q", "k", "threshold", *keywords, "copy"]
 
 
 @pytest.mark.parametrize("rule", ["score", "vote"])

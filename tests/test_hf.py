@@ -345,3 +345,26 @@ def test_the_real_model(smollm2_model, rand):
     hidden_of(smollm2_model, "xattention", tokens)
     assert handle.bridged_calls == layers and handle.fallbacks == 0
     assert 0 < handle.last_density() < 1
+
+
+# --- calibration -----------------------------------------------------------------------
+
+def test_calibrate_gives_a_table_the_registration_meets(rand):
+    """The table has a row per layer and a value per head from the grid; registered with
+    the same settings, the forward over the same tokens keeps at most the target's share
+    of blocks; a target of 1 keeps every block; the model's attention implementation is
+    restored."""
+    model, tokens = tiny_model(), ids(rand)
+    model.set_attn_implementation("sdpa")
+    # a random model's attention is nearly uniform: a coarse grid reaches low densities
+    settings = dict(block_size=BLOCK, stride=STRIDE, min_blocks=0, dense_last=0)
+    grid = (0.2, 0.5, 0.8, 1.0)
+    table = hf.calibrate(model, tokens, target_density=0.65, thresholds=grid, **settings)
+    assert model.config._attn_implementation == "sdpa"
+    assert table.shape == (LAYERS, Q_HEADS)
+    assert set(np.unique(table)) <= set(np.float32(grid)) and table.min() < 1
+    handle = hf.register("xattention", threshold=table, **settings)
+    logits_of(model, "xattention", tokens)
+    assert 0 < handle.last_density() <= 0.65 + 1e-6
+    dense = hf.calibrate(model, tokens, target_density=1.0, thresholds=grid, **settings)
+    np.testing.assert_array_equal(dense, 1.0)

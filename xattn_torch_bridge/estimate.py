@@ -77,8 +77,9 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
     """The XAttention estimate (docs/estimate.md sections 1-4) of torch tensors.
 
     Takes the keyword arguments of `xattn_jax.xattn_estimate` (block_size, stride,
-    threshold, causal, norm, keep_sink, keep_recent, impl, max_scratch_bytes) with the same
-    defaults and meaning, and returns its results as torch tensors. Differences:
+    threshold, causal, norm, keep_sink, keep_recent, min_blocks, dense_last, impl,
+    max_scratch_bytes) with the same defaults and meaning, and returns its results as
+    torch tensors. Differences:
 
     Args:
       q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, float32, bfloat16 or float16 torch
@@ -153,19 +154,20 @@ def _call_op(q, k, copy: bool, kwargs: dict):
 @torch.library.custom_op("xattn::estimate", mutates_args=())
 def estimate_op(q: torch.Tensor, k: torch.Tensor, threshold: list[float], block_size: int,
                 stride: int, causal: bool, norm: float, keep_sink: bool, keep_recent: bool,
-                impl: str, max_scratch_bytes: int | None,
+                min_blocks: int, dense_last: int, impl: str, max_scratch_bytes: int | None,
                 copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`xattn_estimate` as a torch custom op (threshold: one value, or one per query head;
     the other arguments in the order of `xattn_jax.xattn_estimate`)."""
     return xattn_estimate(q, k, threshold=threshold[0] if len(threshold) == 1 else threshold,
                           block_size=block_size, stride=stride, causal=causal, norm=norm,
-                          keep_sink=keep_sink, keep_recent=keep_recent, impl=impl,
+                          keep_sink=keep_sink, keep_recent=keep_recent,
+                          min_blocks=min_blocks, dense_last=dense_last, impl=impl,
                           max_scratch_bytes=max_scratch_bytes, copy=copy)
 
 
 @estimate_op.register_fake
 def _estimate_shapes(q, k, threshold, block_size, stride, causal, norm, keep_sink,
-                     keep_recent, impl, max_scratch_bytes, copy):
+                     keep_recent, min_blocks, dense_last, impl, max_scratch_bytes, copy):
     batch, heads, q_len, _ = q.shape
     shape = (batch, heads, cdiv(q_len, block_size), cdiv(k.shape[2], block_size))
     return q.new_empty(shape, dtype=torch.float32), q.new_empty(shape, dtype=torch.bool)

@@ -4,7 +4,8 @@
     from transformers import AutoModelForCausalLM
     from xattn_torch_bridge import hf
 
-    xattn = hf.register("xattention", threshold=0.9, block_size=128, stride=8)
+    xattn = hf.register("xattention")  # xattention's defaults, or a calibrated table:
+    # xattn = hf.register(threshold=hf.calibrate(model, sample_ids, target_density=0.3))
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="xattention")
     # or, on a loaded model: model.set_attn_implementation("xattention")
     with torch.no_grad():
@@ -61,7 +62,7 @@ from xattn_jax.geometry import cdiv
 
 from xattn_torch_bridge import attention
 from xattn_torch_bridge.dlpack import (CPU_ALIGN, CUDA_ALIGN, FLOAT_DTYPES, place_of,
-                                       to_torch, views_for_one_computation)
+                                       to_jax, to_torch, views_for_one_computation)
 
 try:
     from transformers import AttentionInterface
@@ -83,6 +84,7 @@ _DEFAULTS = {name: p.default for name, p in
              inspect.signature(xattn_jax.xattention).parameters.items()
              if p.kind is inspect.Parameter.KEYWORD_ONLY}
 _registered: dict[str, AttentionHandle] = {}
+_CALIBRATION = "xattention-calibration"  # `calibrate`'s capturing implementation
 
 
 def register(name: str = "xattention", *, threshold=_DEFAULTS["threshold"],
@@ -114,6 +116,40 @@ def register(name: str = "xattention", *, threshold=_DEFAULTS["threshold"],
     AttentionMaskInterface.register(name, plain_causal_or_materialized)
     _registered[name] = handle
     return handle
+
+
+def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
+              target_density: float = 0.3, stride: int = _DEFAULTS["stride"],
+              block_size: int = _DEFAULTS["block_size"], **settings) -> np.ndarray:
+    """Per-head thresholds for `model` at a mean density of `target_density`: float32
+    numpy `[num_layers, Hq]`, to pass to `register(threshold=...)` with the same stride,
+    block_size and settings.
+
+    Runs one dense forward (transformers' sdpa) over `input_ids` (int `[1, L]`, a few
+    thousand tokens of sample text of the kind the model will read), copies each layer's
+    q, k and v to JAX, and calibrates them with `xattn_jax.calibrate` (settings: its
+    norm, min_blocks, dense_last, impl). The model's attention implementation is restored
+    after the forward, also when it fails.
+    """
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        captured[module.layer_idx] = tuple(to_jax(t.detach().contiguous(), copy=True)
+                                           for t in (query, key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_CALIBRATION, capture)
+    AttentionMaskInterface.register(_CALIBRATION, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(_CALIBRATION)
+    try:
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        model.set_attn_implementation(previous)
+    return xattn_jax.calibrate([captured[i] for i in sorted(captured)],
+                               target_density=target_density, stride=stride,
+                               block_size=block_size, **settings)
 
 
 def _checked_name(name) -> str:

@@ -1,0 +1,114 @@
+"""Per-head thresholds calibrated on sample text: a `[layers, Hq]` table for `xattention`
+(one row per layer) and `xattn_torch_bridge.hf.register`.
+
+One threshold for every head of every layer spends blocks where they buy little: heads
+whose attention is local or sink-bound reach any share with few blocks, others need many,
+and the estimate ranks some heads' blocks worse than others'. A calibration measures, on
+a dense forward over sample text, each head's curve of density against output error over
+a grid of thresholds, then gives each head the threshold that minimizes the summed squared
+errors for a mean density (a Lagrangian: every head at the point where one more block buys
+the same error reduction). `docs/tuning.md: calibration` holds the figures that chose it.
+
+    table = calibrate(layers_qkv, target_density=0.3)  # layers_qkv: [(q, k, v), ...]
+    out = xattention(q, k, v, threshold=table[layer])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xattn_jax.api import select_blocks, xattn_estimate
+from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, block_sparse_attention
+from xattn_jax.checks import check_positive_float
+from xattn_jax.reference.estimate import forced_and_allowed
+
+# the threshold grid a calibration chooses from; 1.0 is dense (docs/tuning.md: calibration)
+THRESHOLDS = (0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
+_BISECTION_STEPS = 100  # on the Lagrange multiplier: far below one head's density step
+
+
+def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOLDS,
+                block_size: int = 128, stride: int = 8, norm: float = 1.0,
+                min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
+                scale: float | None = None, impl: str = "auto"):
+    """One layer's curves: float32 numpy `(density, error)`, each `[len(thresholds), Hq]`.
+
+    q `[B, Hq, L, D]`, k and v `[B, Hkv, L, D]` (causal, the queries are the last L keys),
+    from a dense forward over sample text. For each threshold t and query head: density,
+    the share of causally visible blocks `xattention` with t (and these settings) computes;
+    error, its output's distance from dense attention's, ||out - dense|| / ||dense|| over
+    every row of the head.
+    """
+    options = dict(block_size=block_size, causal=True, scale=scale, impl=impl)
+    qb, kb = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
+    _, allowed = forced_and_allowed(qb, kb, causal=True, keep_sink=False, keep_recent=False)
+    dense = block_sparse_attention(q, k, v, jnp.broadcast_to(allowed, (*q.shape[:2], qb, kb)),
+                                   **options).astype(jnp.float32)
+    dense_norm = jnp.sqrt(jnp.sum(jnp.square(dense), axis=(0, 2, 3)))
+    sums, _ = xattn_estimate(q, k, block_size=block_size, stride=stride, norm=norm,
+                             causal=True)
+    density, error = [], []
+    for t in thresholds:
+        mask = select_blocks(sums, float(t), causal=True, min_blocks=min_blocks,
+                             dense_last=dense_last)
+        out = block_sparse_attention(q, k, v, mask, **options).astype(jnp.float32)
+        error.append(jnp.sqrt(jnp.sum(jnp.square(out - dense), axis=(0, 2, 3))) / dense_norm)
+        density.append(mask.sum(axis=(0, 2, 3)) / (allowed.sum() * q.shape[0]))
+    return (np.asarray(jnp.stack(density), np.float32),
+            np.asarray(jnp.stack(error), np.float32))
+
+
+def allocate(density, error, *, target_density: float, thresholds=THRESHOLDS) -> np.ndarray:
+    """The table minimizing the summed squared errors at a mean density of at most
+    `target_density`: float32 `[layers, Hq]` of values from `thresholds`.
+
+    density, error: `[layers, len(thresholds), Hq]` (`head_curves` per layer). Each head
+    takes the threshold minimizing error^2 + lam * density, lam the smallest multiplier
+    whose table meets the target (found by bisection); where even the sparsest threshold
+    of every head exceeds it, the sparsest.
+    """
+    density, error = np.asarray(density, np.float64), np.asarray(error, np.float64)
+    if density.shape != error.shape or density.ndim != 3 or density.shape[1] != len(thresholds):
+        raise ValueError(f"density and error must both be [layers, {len(thresholds)}, Hq], "
+                         f"got {density.shape} and {error.shape}")
+    target_density = check_positive_float("target_density", target_density)
+    cost = np.square(np.nan_to_num(error, nan=np.inf))
+
+    def pick(lam: float) -> np.ndarray:  # [layers, Hq] indices into thresholds
+        return np.argmin(cost + lam * density, axis=1)
+
+    def mean_density(idx) -> float:
+        return float(np.take_along_axis(density, idx[:, None, :], axis=1).mean())
+
+    lo, hi = 0.0, 1.0
+    while mean_density(pick(hi)) > target_density and hi < 1e12:
+        lo, hi = hi, hi * 4
+    for _ in range(_BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_density(pick(mid)) > target_density else (lo, mid)
+    return np.asarray(thresholds, np.float32)[pick(hi)]
+
+
+def calibrate(layers: Iterable, *, target_density: float = 0.3, thresholds=THRESHOLDS,
+              **settings) -> np.ndarray:
+    """A threshold per layer and query head for a mean density of `target_density`.
+
+    layers: one `(q, k, v)` per layer (`head_curves`' shapes) from a dense forward over
+    sample text (a few thousand tokens of the kind the model will read). settings: those
+    of `head_curves` (block_size, stride, norm, min_blocks, dense_last, scale, impl),
+    which the table is then for: pass the same ones to `xattention`.
+
+    Returns float32 `[layers, Hq]`. Raises ValueError for a target outside (0, 1].
+    """
+    target_density = check_positive_float("target_density", target_density)
+    if target_density > 1:
+        raise ValueError(f"target_density must lie in (0, 1], got {target_density}")
+    curves = [head_curves(q, k, v, thresholds=thresholds, **settings) for q, k, v in layers]
+    if not curves:
+        raise ValueError("layers must hold at least one (q, k, v)")
+    density, error = (np.stack(c) for c in zip(*curves))
+    return allocate(density, error, target_density=target_density, thresholds=thresholds)
