@@ -15,10 +15,14 @@ over the second half of the text (each position predicting the next token):
   greedy decoding (dense attention over the cache after the prefill) writes it.
 
 Settings (`SETTINGS`, or `--settings a,b`): "dense"; the estimate's rule at a threshold
-and stride; and "oracle" rows, which apply the same selection rule to the exact block
-mass of the true attention (what no estimate can beat: the loss the rule itself causes).
+and stride; `xattention`'s defaults (`xattn_jax.attention`: threshold, min_blocks,
+dense_last); "oracle" rows, which apply the same selection rule to the exact block mass of
+the true attention (what no estimate can beat: the loss the rule itself causes); and with
+`--calibrate-on TEXT`, per-head tables from `xattn_jax.calibrate` on the other text's
+dense forward at each `--targets` density (so that nothing is tuned to the text scored).
 
-    python -m bench.model_quality --text python-docs --length 8192 --passkey
+    python -m bench.model_quality --text licenses --calibrate-on python-docs --passkey
+    python -m bench.plot_model_quality RESULTS.json OUT.png   # KL against density
     python -m bench.model_quality --smoke        # CPU, a few settings at 512 tokens
 """
 
@@ -36,6 +40,7 @@ import numpy as np
 
 import xattn_jax
 from bench import llama, smollm2, texts
+from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
 from bench.common import gpu_name, log, today, versions
 
 PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -86,11 +91,14 @@ def grid(rule: str, thresholds, **kw) -> list[Setting]:
     return [Setting(f"{rule} {t}{tag}", rule, t, **kw) for t in thresholds]
 
 
-SETTINGS = ([Setting("dense", "dense")]
+DEFAULTS = Setting("xattention defaults", threshold=THRESHOLD, min_blocks=MIN_BLOCKS,
+                   dense_last=DENSE_LAST)
+SETTINGS = ([Setting("dense", "dense"), DEFAULTS]
             + grid("estimate", (0.8, 0.9, 0.95, 0.97, 0.99))
             + grid("estimate", (0.9, 0.95), stride=16)
             + grid("oracle", (0.8, 0.9, 0.95, 0.97, 0.99)))
-SMOKE = [Setting("dense", "dense"), Setting("estimate 0.9", block_size=64, stride=8),
+SMOKE = [Setting("dense", "dense"), dataclasses.replace(DEFAULTS, block_size=64),
+         Setting("estimate 0.9", block_size=64, stride=8),
          Setting("oracle 0.9", "oracle", block_size=64)]
 
 
@@ -226,6 +234,31 @@ class Model:
                               layer_data=setting.layer_data(self.cfg))[0].tolist()
 
 
+def layer_qkv(model: Model, tokens) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Every layer's q, k, v in the dense forward over tokens: `[layers, 1, H, L, D]`."""
+    def attention(q, k, v, layer):
+        del layer
+        return llama.dense_attention(q, k, v, scale=model.cfg.scale), (q, k, v)
+
+    _, qkv, _ = llama.prefill(model.params, jnp.asarray(tokens)[None], cfg=model.cfg,
+                              attention=attention)
+    return qkv
+
+
+def calibrated(model: Model, tokens, text: str, target: float, base: Setting) -> Setting:
+    """`base` with the per-head table `xattn_jax.calibrate` gives on tokens (of `text`)
+    for a mean density of `target`, at base's block size, stride, norm and widening."""
+    q, k, v = layer_qkv(model, tokens)
+    table = xattn_jax.calibrate(zip(q, k, v), target_density=target, scale=model.cfg.scale,
+                                block_size=base.block_size, stride=base.stride,
+                                norm=base.norm, min_blocks=base.min_blocks,
+                                dense_last=base.dense_last)
+    log(f"calibrated on {text} for density {target}: thresholds "
+        f"{dict(zip(*np.unique(table, return_counts=True)))}")
+    return dataclasses.replace(base, name=f"calibrated {target} on {text}",
+                               threshold=tuple(map(tuple, table.tolist())))
+
+
 def one_at_a_time(model: Model, tokens, base: Setting, dense_logits) -> dict:
     """Where `base`'s loss comes from: its rule in one layer at a time (the others dense),
     then in one head at a time. Returns {"layers": [metrics per layer], "heads":
@@ -327,6 +360,7 @@ def run(model: Model, settings, tokens, passkey_length: int | None, text: str) -
         logits, density = model.prefill(tokens, s)
         rec = {"setting": s.name, "rule": s.rule, "text": text, "length": len(tokens),
                "threshold": s.threshold, "stride": s.stride, "block_size": s.block_size,
+               "min_blocks": s.min_blocks, "dense_last": s.dense_last,
                "density": float(density.mean()),
                "density_per_layer": density.mean(axis=1).round(4).tolist(),
                **text_metrics(dense_logits, logits, tokens)}
@@ -366,6 +400,10 @@ def main(argv=None) -> None:
     parser.add_argument("--passkey", action="store_true")
     parser.add_argument("--passkey-length", type=int, default=7168)
     parser.add_argument("--settings", help="comma-separated names from SETTINGS")
+    parser.add_argument("--calibrate-on", choices=sorted(texts.TEXTS),
+                        help="add per-head tables calibrated on this text's dense forward")
+    parser.add_argument("--targets", default="0.3,0.35",
+                        help="comma-separated mean densities to calibrate for")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: 512 tokens")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--md", help="write the markdown table here")
@@ -381,6 +419,11 @@ def main(argv=None) -> None:
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = Model(dtype)
     tokens = texts.text_tokens(model.tokenizer, args.text, length)
+    if args.calibrate_on:
+        sample = texts.text_tokens(model.tokenizer, args.calibrate_on, length)
+        base = SMOKE[1] if args.smoke else DEFAULTS
+        settings = settings + [calibrated(model, sample, args.calibrate_on, float(t), base)
+                               for t in args.targets.split(",")]
     records = run(model, settings, tokens, (256 if args.smoke else args.passkey_length)
                   if args.passkey else None, args.text)
     meta = {"gpu": gpu_name(), "date": today(), "versions": versions(), "dtype": str(dtype)}
