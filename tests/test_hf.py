@@ -313,11 +313,7 @@ def smollm2_model():
     reason = smollm2.missing()
     if reason:
         pytest.skip(reason)
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2.gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    return smollm2.load_transformers()[0]
 
 
 def hidden_of(model, implementation: str, tokens) -> torch.Tensor:

@@ -35,13 +35,8 @@ def models():
     reason = smollm2.missing()
     if reason:
         pytest.skip(reason)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = smollm2.gguf_path()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    cfg, params = llama.read_gguf(path, jnp.float32)
+    hf_model, tokenizer = smollm2.load_transformers()
+    cfg, params = llama.read_gguf(smollm2.gguf_path(), jnp.float32)
     tokens = np.asarray(texts.text_tokens(tokenizer, "python-docs", LENGTH))
     return hf_model, cfg, params, tokens
 
