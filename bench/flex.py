@@ -110,6 +110,10 @@ def attention_call(q, k, v, block_mask, compiled: bool):
 
     options = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if compiled:
+        # compiled code is cached per function, flex_attention, and each case brings a new
+        # mask_mod: start afresh rather than reach dynamo's recompile limit (past which it
+        # would run the eager path silently)
+        torch._dynamo.reset()
         fn = torch.compile(flex_attention, dynamic=False)
         return lambda: fn(q, k, v, block_mask=block_mask, **options)
 
