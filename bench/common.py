@@ -185,12 +185,12 @@ def record(case: str, impl: str, ms: float, floor: float, extra_mib: float,
     return row
 
 
-def print_report(records: list[dict]) -> None:
+def report(records: list[dict]) -> str:
     """The run's GPU, versions and date, then its records as a markdown table (with the
     same-run ceiling's columns where the records hold it)."""
     first = records[0]
-    print(f"\nGPU: {first['gpu']}; {first['versions']}; {first['date']}; "
-          f"commit {first.get('commit')}\n")
+    head = (f"GPU: {first['gpu']}; {first['versions']}; {first['date']}; "
+            f"commit {first.get('commit')}")
     same_run = any("same_run_floor_ms" in r for r in records)
     extra = " same-run matmul TFLOP/s | time / same-run floor |" if same_run else ""
     lines = ["| case | impl | ms | floor ms | time / floor | extra MiB |" + extra,
@@ -203,7 +203,12 @@ def print_report(records: list[dict]) -> None:
             line += (f" {r['matmul_tflops']:.0f} | {r['ms'] / r['same_run_floor_ms']:.2f} |"
                      if "same_run_floor_ms" in r else " | |")
         lines.append(line)
-    print("\n".join(lines))
+    return head + "\n\n" + "\n".join(lines) + "\n"
+
+
+def print_report(records: list[dict]) -> None:
+    """`report`, on stdout after a blank line."""
+    print("\n" + report(records), end="")
 
 
 def write_json(path: str, records: list[dict]) -> None:
