@@ -214,3 +214,14 @@ def print_report(records: list[dict]) -> None:
 def write_json(path: str, records: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
+
+
+def write_outputs(records: list[dict], table: str, json_path: str | None,
+                  md_path: str | None) -> None:
+    """The markdown table on stdout, and the records and the table where paths are given."""
+    print(table)
+    if json_path:
+        write_json(json_path, records)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(table)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch  # noqa: E402
 import xattn_jax  # noqa: E402
 
 from bench import smollm2, texts  # noqa: E402
-from bench.common import commit, gpu_name, log, today, versions  # noqa: E402
+from bench.common import commit, gpu_name, log, today, versions, write_outputs  # noqa: E402
 
 TEXT = "licenses"
 NAME = "xattention"  # the registered attention implementation
@@ -72,12 +71,8 @@ def settings(options: dict) -> dict:
 
 def load(run: Run):
     """The model (eval mode, on run.device in run.dtype) and the prompt, int64 `[1, L]`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = smollm2.gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=run.dtype).to(run.device).eval()
+    model, tokenizer = smollm2.load_transformers(run.dtype)
+    model = model.to(run.device)
     ids = texts.text_tokens(tokenizer, TEXT, run.length)
     return model, torch.tensor([ids], device=run.device)
 
@@ -188,13 +183,7 @@ def main(argv=None) -> int:
     rows = measure(run_of(args))
     table = markdown(rows, "python -m bench.hf_prefill "
                      + " ".join(sys.argv[1:] if argv is None else argv))
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table)
+    write_outputs(rows, table, args.json, args.md)
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import time
 
 import jax
@@ -41,7 +40,7 @@ import numpy as np
 import xattn_jax
 from bench import llama, smollm2, texts
 from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
-from bench.common import gpu_name, log, today, versions
+from bench.common import gpu_name, log, today, versions, write_outputs
 
 PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PASSKEY_KEYS = (71432, 38517, 90264, 46871, 25309, 63148, 17952, 84036, 52790)
@@ -430,13 +429,7 @@ def main(argv=None) -> None:
     for r in records:
         r.update(meta)
     table = markdown(records, f"{args.text}, {length} tokens, {meta['gpu']}, {meta['date']}")
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table)
+    write_outputs(records, table, args.json, args.md)
 
 
 if __name__ == "__main__":
