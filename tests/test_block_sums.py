@@ -67,6 +67,13 @@ CASES = [
     # block_size 12 with stride 4 causal, a softmax temperature, head_dim 24 (not a power
     # of two: the kernel masks its padded columns)
     Case("c61_s4_bs12_norm2_d24", 1, 2, 2, 61, 61, 24, 4, 12, True, norm=2.0),
+    # cases the Mosaic block sums take too (bfloat16 / float16, D 64 or 128, blocks of
+    # a multiple of 8 rows): causal 600 over 2 key tiles (4 key groups' grid compacted),
+    # non-causal GQA in batch 2 with a temperature, causal Lq < Lk at D 128 in float16
+    Case("c600_s2_bs32_bf16_d64", 1, 2, 1, 600, 600, 64, 2, 32, True, BF16, tile=32),
+    Case("nc190x251_b2_s2_bs16_bf16_d64", 2, 2, 1, 190, 251, 64, 2, 16, False, BF16,
+         tile=32, norm=2.0),
+    Case("c128x384_s2_bs128_f16_d128", 1, 4, 2, 128, 384, 128, 2, 128, True, F16, tile=32),
 ]
 CASE_IDS = [c.id for c in CASES]
 
@@ -158,7 +165,7 @@ def test_pallas_non_square_tiles(kernel_pallas_impl, tile, rand):
 def test_head_dim_steps_do_not_change_result(kernel_pallas_impl, depth, rand):
     """Head dim 24 (padded to 32 and masked) fed in steps of 16 columns, or in one step
     (32, a depth beyond the padded head dim, or None): the same block sums."""
-    case = CASES[-1]
+    case = next(c for c in CASES if c.id == "c61_s4_bs12_norm2_d24")
     q, k = case.inputs(rand)
     plan = plan_block_sums(case.geom(), q.dtype, case.causal,
                            interpret=kernel_pallas_impl.interpret,

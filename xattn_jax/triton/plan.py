@@ -16,7 +16,7 @@ import math
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry, cdiv, next_pow2
-from xattn_jax.row_statistics import UnitSums
+from xattn_jax.row_statistics import ONE_PASS_WHOLE_CALL_BYTES, UnitSums
 
 ONE_PASS, TWO_PASS, STRIDED_SCORES = "one_pass", "two_pass", "strided_scores"
 BLOCK_SUM_KERNELS = (ONE_PASS, TWO_PASS)
@@ -59,13 +59,11 @@ BASE_HEAD_DIM = 128  # larger head dims shrink the tile (docs/tuning.md: triton-
 # key tiles per one-pass program (docs/tuning.md: triton-span, triton-causal-span)
 SPAN, CAUSAL_SPAN = 8, 2
 MIN_PROGRAMS = 1024  # smaller grids split the keys further (docs/tuning.md: triton-min-programs)
-# One-pass scratch: a call whose whole scratch fits in 1.5 GiB runs in one kernel call
-# (64K tokens, 32 heads: 0.06-1.06 GiB for blocks of 4096 down to 64; row steps of 48 MiB
-# measured 6-17% slower there; docs/tuning.md: triton-whole-call-scratch). Larger calls
-# step within 48 MiB (keeps the 128K causal call within 64 MiB), or within 1/16 of their
-# float32 result where that is more (1M tokens x 32 heads: 512 MiB hold 13K rows of one
-# head per call; docs/tuning.md: triton-step-scratch).
-ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
+# One-pass scratch: a call whose whole scratch fits in `row_statistics.
+# ONE_PASS_WHOLE_CALL_BYTES` runs in one kernel call. Larger calls step within 48 MiB
+# (keeps the 128K causal call within 64 MiB), or within 1/16 of their float32 result
+# where that is more (1M tokens x 32 heads: 512 MiB hold 13K rows of one head per call;
+# docs/tuning.md: triton-step-scratch).
 ONE_PASS_STEP_BYTES = 48 << 20
 SCRATCH_PER_RESULT = 16
 # The selection program: rows x padded key blocks it holds, and its warps, by the
