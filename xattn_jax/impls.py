@@ -79,7 +79,9 @@ class Implementation:
         """Sections 1-3: float32 `[B, Hq, qb, kb]`. key_len: int32 `[]` (keys in use of
         a padded buffer, default all); block_table: int32 `[B, pages_per_seq]` when k is
         a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the one-pass
-        kernels' workspace bound, Triton's or Mosaic's (the reference has none)."""
+        kernels' scratch bound per kernel call, Triton's or Mosaic's (default
+        `row_statistics.DEFAULT_SCRATCH_BYTES`: docs/tuning.md: workspace-bound; the
+        reference has none)."""
         if self.name == "reference":
             keys = k if block_table is None else reference.gather_pages(k, block_table)
             return reference.block_sums(q, keys, geom, causal=causal, norm=norm,

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from xattn_jax.geometry import Geometry, cdiv
 
 LOG2_E = 1.4426950408889634  # scores are kept in base 2: 2^(A log2 e) = e^A
-# The most statistics one kernel call of either backend holds by default
-# (docs/tuning.md: triton-whole-call-scratch)
-ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
+# The statistics one kernel call of either backend holds by default, at every call
+# length: with the epilogue's temporaries the estimate's workspace stays within 64 MiB
+# beyond its outputs (docs/tuning.md: workspace-bound)
+DEFAULT_SCRATCH_BYTES = 48 << 20
 
 
 class UnitSums:

@@ -21,7 +21,7 @@ from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.mosaic import grid, heuristics
 from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
 from xattn_jax.mosaic.smem import smem_bytes
-from xattn_jax.row_statistics import ONE_PASS_WHOLE_CALL_BYTES, UnitSums
+from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES, UnitSums
 
 # rows of one consumer's product (a wgmma M tile), and consumers per CTA
 # (docs/tuning.md: mosaic-streamed-queries)
@@ -287,7 +287,7 @@ def _plan_or_reason(geom: Geometry, dtype, key_len: bool, causal: bool,
     plan = EstimatePlan(geom, causal, sms or heuristics.device_sms(),
                         heuristics.block_k(page_size, geom.stride), 0, page_size)
     plan = heuristics.deepest_ring(plan, jnp.dtype(dtype).itemsize)
-    return heuristics.call_shape(plan, max_scratch_bytes or ONE_PASS_WHOLE_CALL_BYTES)
+    return heuristics.call_shape(plan, max_scratch_bytes or DEFAULT_SCRATCH_BYTES)
 
 
 def unsupported_reason(geom: Geometry, dtype, *, causal: bool, key_len: bool = False,
@@ -299,7 +299,8 @@ def unsupported_reason(geom: Geometry, dtype, *, causal: bool, key_len: bool = F
 
     They need q and k in bfloat16 or float16, D in HEAD_DIMS, block_size a multiple of
     COLUMN_TILE x stride, key_len in non-causal calls only, pages of a multiple of 64 x
-    stride tokens, and within `max_scratch_bytes` (default ONE_PASS_WHOLE_CALL_BYTES) one
+    stride tokens, and within `max_scratch_bytes` (default DEFAULT_SCRATCH_BYTES:
+    docs/tuning.md: workspace-bound) one
     kernel call's statistics, or a step `heuristics.call_shape` takes. The Triton backend
     takes the rest."""
     plan = _plan_or_reason(geom, dtype, key_len, causal, page_size, max_scratch_bytes, sms)
