@@ -139,7 +139,7 @@ def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of,
     caller may walk the steps in several loops, each with its own block_sums_of (default
     a new array left uninitialized where the backend allows, `jax.lax.empty`: the
     caller's loops walk every step, which together write every element; on the H200
-    causal 1M's 8 GiB of zeros took 2.5 ms, bench/results/tuning.md note 58)."""
+    causal 1M's 8 GiB of zeros took 2.5 ms, 2026-12-02)."""
     steps = range(cdiv(geom.q_blocks, blocks)) if steps is None else steps
 
     def one_call(i, out):
