@@ -2,8 +2,8 @@
 
 Implementations (the `impl` fixture and its kin): the names of `xattn_jax.impls`
 available where the tests run: "reference" (plain JAX) everywhere; "triton" in Pallas
-interpret mode on a CPU, compiled and marked `gpu` on a GPU ("mosaic" joins for the ops it
-has kernels for, on Hopper).
+interpret mode on a CPU, compiled and marked `gpu` on a GPU; "mosaic" joins for the block
+sums (`kernel_impl`), compiled on Hopper and in GPU interpret mode on a CPU.
 
 Randomness: every test that draws data takes the `rand` fixture, seeded from a fresh
 `np.random.default_rng()` (or from the environment variable XATTN_TEST_SEED). The seed is
@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import mosaic_interpret  # noqa: E402
 from bench.cases import paged_pools  # noqa: E402
 from xattn_jax import impls, reference  # noqa: E402
 from xattn_jax.geometry import Geometry, next_pow2  # noqa: E402
@@ -144,16 +145,23 @@ class Impl:
     arrays, with small tiles so that tests on tiny shapes cross tile borders.
 
     name: "reference" or "triton" (Pallas interpret mode off a GPU), optionally with the
-    block-sum kernel ("triton/one_pass", "triton/two_pass"; default: the plan's choice).
+    block-sum kernel ("triton/one_pass", "triton/two_pass"; default: the plan's choice),
+    or "mosaic" (the Mosaic GPU block sums with their default plan: on Hopper, or in
+    Pallas' GPU interpret mode on a CPU; a case they do not take is skipped with the
+    reason).
     """
 
     def __init__(self, name: str):
         self.name = name
         self.api, _, kernel = name.partition("/")
         self.kernel = kernel or None
-        self.impl = impls.resolve(self.api)
         self.is_kernel = self.api != "reference"
-        self.interpret = self.impl.interpret
+        if self.api == "mosaic":
+            self.impl = impls.Implementation("mosaic")
+            self.interpret = not on_gpu()
+        else:
+            self.impl = impls.resolve(self.api)
+            self.interpret = self.impl.interpret
 
     def __repr__(self) -> str:
         return f"Impl({self.name})"
@@ -165,6 +173,8 @@ class Impl:
 
     def block_sums(self, q, k, geom: Geometry, *, causal: bool, norm: float = 1.0,
                    tile=32) -> np.ndarray:
+        if self.api == "mosaic":
+            return self._mosaic_block_sums(q, k, geom, causal=causal, norm=norm)
         if not self.is_kernel:
             out = _ref_block_sums(q, k, geom, causal=causal, norm=norm)
         else:
@@ -173,6 +183,25 @@ class Impl:
                                     causal=causal, norm=norm)
         assert out.dtype == jnp.float32
         return np.asarray(out)
+
+    def _mosaic_block_sums(self, q, k, geom: Geometry, *, causal: bool,
+                           norm: float) -> np.ndarray:
+        from xattn_jax import mosaic
+        from xattn_jax.mosaic.estimate_plan import unsupported_reason
+
+        reason = (mosaic_interpret.unsupported_reason() if self.interpret
+                  else mosaic.available())
+        reason = reason or unsupported_reason(geom, q.dtype, causal=causal)
+        if reason is not None:
+            pytest.skip(reason)
+        if not self.interpret:
+            out = self.impl.block_sums(q, k, geom=geom, causal=causal, norm=norm)
+            return np.asarray(out)
+        with mosaic_interpret.interpret_kernel() as races_found:
+            out = np.asarray(self.impl.block_sums(q, k, geom=geom, causal=causal, norm=norm))
+            assert not races_found(), "the Mosaic kernel raced in GPU interpret mode"
+        assert out.dtype == np.float32
+        return out
 
     def select(self, sums, threshold, *, causal: bool, keep_sink: bool = False,
                keep_recent: bool = False) -> np.ndarray:
@@ -216,9 +245,10 @@ def pallas_impl(request) -> Impl:
     return Impl(request.param)
 
 
-@pytest.fixture(params=["reference"] + BLOCK_SUM_KERNEL_PARAMS)
+@pytest.fixture(params=["reference"] + BLOCK_SUM_KERNEL_PARAMS + [_kernel_param("mosaic")])
 def kernel_impl(request) -> Impl:
-    """The reference and each block-sum kernel (one pass, two passes)."""
+    """The reference and each block-sum kernel: the Triton one-pass and two-pass kernels,
+    and the Mosaic GPU block sums where they take the case."""
     return Impl(request.param)
 
 

@@ -13,7 +13,7 @@ supplies the two, for its duration only:
   read from the simulated memory.
 
 The forced GPU interpret mode applies to every `pallas_call` traced within, the Triton-backend
-statistics epilogue (`xattn_jax.mosaic.epilogue`) included, whose blocked windows the
+statistics epilogue (`xattn_jax.triton.stats_epilogue`) included, whose blocked windows the
 Mosaic GPU interpreter refuses (jax 0.12); within, that kernel runs in Pallas' own interpret
 mode instead, so that a call's whole path is still checked.
 
@@ -149,7 +149,8 @@ def interpret_kernel(detect_races: bool = True):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from xattn_jax.mosaic import epilogue, kernel
+    from xattn_jax.mosaic import kernel
+    from xattn_jax.triton import stats_epilogue as epilogue
 
     interpreter = jaxpr_interpret.JaxprInterpreter
     original_rule = interpreter._interpret_wgmma_ref_p

@@ -163,6 +163,48 @@ def test_max_scratch_bytes_changes_how_the_call_is_stepped_not_the_result(impl, 
         assert spaces[0] == spaces[1] == spaces[2], spaces
 
 
+WORKSPACE_BYTES = 64 << 20  # beyond the outputs, at every length (docs/tuning.md: workspace-bound)
+
+
+def _scratch(backend: str, geom, causal: bool, bound=None) -> tuple[int, bool]:
+    """(the scratch bytes of one kernel call, whether it is the whole call) of
+    `backend`'s plan for `geom` within `bound` (None: the default)."""
+    if backend == "triton":
+        from xattn_jax.triton.plan import ONE_PASS, plan_block_sums
+
+        plan = plan_block_sums(geom, jnp.bfloat16, causal, interpret=False,
+                               max_scratch_bytes=bound)
+        assert plan.kernel == ONE_PASS, "the bound holds a one-pass step"
+        return plan.scratch_bytes, plan.calls == 1
+    from xattn_jax.mosaic.estimate_plan import estimate_plan
+
+    plan = estimate_plan(geom, jnp.bfloat16, causal=causal, max_scratch_bytes=bound)
+    return plan.scratch_bytes, not plan.call_heads and not plan.call_rows
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("block_size", [128, 64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_default_workspace_stays_within_64_mib(backend, block_size, causal):
+    """By default both Pallas backends' plans keep each kernel call's scratch within
+    64 MiB from 1K to 1M tokens (32 heads, D 128, bf16), the bound of the workspace
+    beyond the outputs; a caller raising max_scratch_bytes gets whole calls back."""
+    from xattn_jax.geometry import Geometry
+    from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES
+
+    assert DEFAULT_SCRATCH_BYTES <= WORKSPACE_BYTES
+    largest = 0
+    for length in [1024 << n for n in range(11)]:
+        geom = Geometry(1, 32, 8, length, length, 128, 8, block_size)
+        scratch, _ = _scratch(backend, geom, causal)
+        assert scratch <= WORKSPACE_BYTES, (backend, length, scratch / 2**20)
+        largest = max(largest, scratch)
+    assert largest > WORKSPACE_BYTES // 2, "the bound is not what limits these plans"
+    geom = Geometry(1, 32, 8, 65536, 65536, 128, 8, block_size)
+    assert not _scratch(backend, geom, causal)[1]
+    assert _scratch(backend, geom, causal, bound=3 << 29)[1]  # 1.5 GiB: one call
+
+
 def test_compiles_once_per_shape(impl, rand):
     """New data and new threshold values reuse the compiled estimate; a new shape adds
     exactly one compilation."""

@@ -135,7 +135,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     tile of 128 reshaped rows x 2 heads here): "auto"'s Mosaic implementation runs the
     Triton kernel (interpret mode off a GPU), which gives the reference's block sums. No
     Mosaic GPU code runs."""
-    from xattn_jax.mosaic import estimate_plan
+    from xattn_jax.mosaic import estimate_plan, heuristics
 
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 2, 256, 128)), jnp.bfloat16)
@@ -143,7 +143,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     geom = xattn_jax.checks.check_qk(q, k, stride=8, block_size=64, causal=True)
     assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True) is None
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
-    assert plan.ctas(True) == 2 < estimate_plan.auto_min_ctas()
+    assert plan.ctas == 2 < heuristics.auto_min_ctas(plan.sms)
     impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=True)
     got = impl.block_sums(q, k, geom=geom, causal=True, norm=1.0)
     want = xattn_jax.reference.block_sums(q, k, geom, causal=True, norm=1.0)
@@ -151,9 +151,9 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
                                atol=5e-5 * float(want.max()))
     # a chunk of 4096 queries on 32 heads fills a GPU's SMs; on 16 heads (two GPUs), its
     # 64 row tiles do in 2 key groups
-    chunk = xattn_jax.geometry.Geometry(1, 32, 8, 4096, 131072, 128, 8, 1024)
-    assert estimate_plan.estimate_plan(chunk, jnp.bfloat16).ctas(False) == 128
-    half = xattn_jax.geometry.Geometry(1, 16, 4, 4096, 131072, 128, 8, 1024)
-    plan = estimate_plan.estimate_plan(half, jnp.bfloat16)
-    assert (plan.key_groups, plan.ctas(False)) == (2, 128)
-    assert 64 < estimate_plan.auto_min_ctas() <= 128
+    for heads, groups in ((32, 1), (16, 2)):
+        chunk = xattn_jax.geometry.Geometry(1, heads, heads // 4, 4096, 131072, 128, 8, 1024)
+        plan, reason = impls._mosaic_plan(chunk, jnp.bfloat16, False, True, None, None,
+                                          auto=True)
+        assert reason is None and (plan.key_groups, plan.ctas) == (groups, 128)
+    assert 64 < heuristics.auto_min_ctas(plan.sms) <= 128

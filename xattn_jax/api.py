@@ -122,18 +122,18 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       dense_last: the rows of the last dense_last query blocks keep every allowed block.
         (Both widen the selection after the threshold rule: docs/estimate.md section 4.)
       impl: "auto", "reference", "triton" or "mosaic" (`xattn_jax.impls`).
-      max_scratch_bytes: bound on the Pallas kernel's scratch, in bytes. None: the whole
-        scratch where it fits in 1.5 GiB (0.6 GiB at 64K tokens, 32 heads, block 128),
-        else steps within 48 MiB (`triton.plan.plan_block_sums`): kernel calls over
-        as many whole heads as fit, or over one head's rows in steps. A lower bound takes
-        more steps (measured up to 17% slower at 64K); one below a single row step of one
-        head runs the two-pass kernel (no scratch, each score computed twice). The Mosaic
-        block sums hold at most 1.5 GiB (or this bound) per kernel call (a whole causal
-        call about half its tiles' worth: the statistics folded), beyond it in steps of
-        whole heads, or where one head's exceed it in row steps of every head
-        (`mosaic.estimate_plan`); "auto" runs the Triton kernel where neither a causal
-        call's folded statistics, nor one head, nor one row step of a wave of CTAs fits.
-        The reference ignores it.
+      max_scratch_bytes: bound on the Pallas kernels' scratch per kernel call, in bytes.
+        None: `row_statistics.DEFAULT_SCRATCH_BYTES` (48 MiB), so that the workspace
+        stays within 64 MiB beyond the outputs at every length (docs/tuning.md:
+        workspace-bound). A call whose scratch exceeds the bound runs as several kernel
+        calls, one after another, over as many whole heads as fit or else in row steps
+        (`triton.plan.plan_block_sums`, `mosaic.estimate_plan`; a causal call's Mosaic
+        statistics are folded, about half its tiles' worth). A larger bound takes fewer
+        steps (causal 128K as one call: 3.1% faster, with 1.3 GiB of workspace), a lower
+        one more. Where not even one row step of one head fits, the Triton backend runs
+        its two-pass kernel (no scratch, each score computed twice), and "auto" gives
+        the Triton backend the calls the Mosaic block sums cannot step. The reference
+        ignores it.
 
     Returns:
       `(block_sums, mask)`: float32 and bool, both `[B, Hq, ceil(Lq/block_size),

@@ -12,7 +12,7 @@ and nowhere else.
   call needs); the other estimate ops run the Triton kernels.
 - "auto": the best of these for the device the inputs live on: for the estimate
   "mosaic" on Hopper, its block sums running the Triton kernel for the calls they do not
-  take and for calls of fewer CTAs than `mosaic.estimate_plan.auto_min_ctas()` (3/4 of
+  take and for calls of fewer CTAs than `mosaic.heuristics.auto_min_ctas` (3/4 of
   the SMs), key groups included (short calls on few heads, whose keys the Triton kernel
   splits among more programs; a chunk sharded over 2 GPUs reaches 128 CTAs in key groups
   and stays on Mosaic; otherwise the Mosaic block sums measured 1.12-1.28x faster than
@@ -79,7 +79,9 @@ class Implementation:
         """Sections 1-3: float32 `[B, Hq, qb, kb]`. key_len: int32 `[]` (keys in use of
         a padded buffer, default all); block_table: int32 `[B, pages_per_seq]` when k is
         a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the one-pass
-        kernels' workspace bound, Triton's or Mosaic's (the reference has none)."""
+        kernels' scratch bound per kernel call, Triton's or Mosaic's (default
+        `row_statistics.DEFAULT_SCRATCH_BYTES`: docs/tuning.md: workspace-bound; the
+        reference has none)."""
         if self.name == "reference":
             keys = k if block_table is None else reference.gather_pages(k, block_table)
             return reference.block_sums(q, keys, geom, causal=causal, norm=norm,
@@ -91,7 +93,7 @@ class Implementation:
             if plan is not None:
                 from xattn_jax.mosaic import block_sums as mosaic_sums  # imports Mosaic GPU
                 return mosaic_sums.block_sums(
-                    q, k, plan=plan, causal=causal, norm=norm,
+                    q, k, plan=plan, norm=norm,
                     key_len=None if key_len is None else key_len.reshape(1),
                     block_table=block_table)
             if not self.fallback:
@@ -116,8 +118,8 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
                  page_size: int | None, max_scratch_bytes: int | None, *, auto: bool):
     """`(plan, None)` of the Mosaic block sums for this call, or `(None, reason)` saying
     why they cannot take it, or with `auto` (the choice "auto" makes) why the Triton
-    kernel runs it faster: fewer than `estimate_plan.auto_min_ctas()` CTAs."""
-    from xattn_jax.mosaic import estimate_plan  # plain Python, no Mosaic GPU
+    kernel runs it faster: fewer than `heuristics.auto_min_ctas` CTAs."""
+    from xattn_jax.mosaic import estimate_plan, heuristics  # plain Python, no Mosaic GPU
 
     reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len, causal=causal,
                                               page_size=page_size,
@@ -127,10 +129,10 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
     plan = estimate_plan.estimate_plan(geom, dtype, causal=causal, page_size=page_size,
                                        max_scratch_bytes=max_scratch_bytes)
     if auto:
-        ctas, minimum = plan.ctas(causal), estimate_plan.auto_min_ctas()
-        if ctas < minimum:
-            return None, (f"{ctas} CTAs, fewer than {minimum} (AUTO_MIN_FILL = "
-                          f"{estimate_plan.AUTO_MIN_FILL} of the GPU's SMs)")
+        minimum = heuristics.auto_min_ctas(plan.sms)
+        if plan.ctas < minimum:
+            return None, (f"{plan.ctas} CTAs, fewer than {minimum} (AUTO_MIN_FILL = "
+                          f"{heuristics.AUTO_MIN_FILL} of the GPU's SMs)")
     return plan, None
 
 

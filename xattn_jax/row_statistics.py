@@ -22,6 +22,10 @@ import jax.numpy as jnp
 from xattn_jax.geometry import Geometry, cdiv
 
 LOG2_E = 1.4426950408889634  # scores are kept in base 2: 2^(A log2 e) = e^A
+# The statistics one kernel call of either backend holds by default, at every call
+# length: with the epilogue's temporaries the estimate's workspace stays within 64 MiB
+# beyond its outputs (docs/tuning.md: workspace-bound)
+DEFAULT_SCRATCH_BYTES = 48 << 20
 
 
 class UnitSums:
@@ -135,7 +139,7 @@ def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of,
     caller may walk the steps in several loops, each with its own block_sums_of (default
     a new array left uninitialized where the backend allows, `jax.lax.empty`: the
     caller's loops walk every step, which together write every element; on the H200
-    causal 1M's 8 GiB of zeros took 2.5 ms, bench/results/tuning.md note 58)."""
+    causal 1M's 8 GiB of zeros took 2.5 ms, 2026-12-02)."""
     steps = range(cdiv(geom.q_blocks, blocks)) if steps is None else steps
 
     def one_call(i, out):

@@ -1,20 +1,14 @@
 """Sections 1-3 fused on Hopper: the Mosaic GPU block sums.
 
-`block_sums` pads q (and a contiguous k) to whole tiles (a copy only where a length is
-not a multiple of the tile), runs the row-statistics kernel (`xattn_jax.mosaic.
-tile_stats`, imported on first call only, so that this module imports with any jax),
-marks the statistics of key tiles a row tile never sees as empty (-inf maxima, zero
-sums: the kernel does not write them), and normalizes exactly with the epilogue the
-Triton one-pass kernel shares (`xattn_jax.row_statistics.combine`: the statistics are
-the same); a whole causal call's folded statistics (`EstimatePlan.fold`) are normalized
-in place with the same weights (`_folded_block_sums`). With a count of keys in use, the
-kernel reads the key tile holding the last key from a copy in which every later token is
-zero (`_tail_tile`), so that a count ending inside a stride group needs nothing outside
-the kernel (section 1: the partly filled group reads zeros); a call whose statistics
-exceed the plan's bound runs in row steps over all heads (`EstimatePlan.call_rows`), in
-head steps over all rows (`EstimatePlan.call_heads`), or in row steps of one head (both;
-`row_statistics.in_steps`), a causal call's row steps in loops whose epilogues read only
-the key tiles their rows see (`EstimatePlan.epilogue_loops`).
+`block_sums` pads q (and a contiguous k) to whole tiles, runs the statistics kernel
+(`tile_stats`, imported on first call: this module imports with any jax) in one kernel
+call or in the plan's steps (`row_statistics.in_steps`), and normalizes the statistics
+exactly: with XLA's reductions (`row_statistics.combine`, the Triton one-pass kernel's
+epilogue; tiles a row tile never sees, which the kernel does not write, read as empty),
+in place when folded (`_folded_block_sums`), or with the Triton-backend epilogue kernel
+(`xattn_jax.triton.stats_epilogue`). With a count of keys in use, the kernel reads the
+tile holding the last key from a copy whose later tokens are zero (`_tail_tile`: a
+partly filled stride group reads zeros, section 1).
 """
 
 from __future__ import annotations
@@ -25,10 +19,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic import epilogue
-from xattn_jax.mosaic.estimate_plan import (COLUMN_TILE, EstimatePlan, epilogue_steps,
-                                            row_step, row_tiles_seen, tail_tile,
-                                            visible_tiles)
+from xattn_jax.mosaic.estimate_plan import COLUMN_TILE, EstimatePlan
+from xattn_jax.mosaic.grid import (epilogue_steps, row_step, row_tiles_seen, tail_tile,
+                                   visible_tiles)
+from xattn_jax.triton import stats_epilogue
 from xattn_jax.row_statistics import (LOG2_E, blocks_of_units, combine, fit, in_steps,
                                      row_counts, row_weights)
 
@@ -41,7 +35,7 @@ def _strided(x: jax.Array, stride: int, length: int) -> jax.Array:
     return x.reshape(b, h, length // stride, stride, d)
 
 
-def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool, first_row, cols):
+def _planes(stats: jax.Array, plan: EstimatePlan, first_row, cols):
     """The kernel's statistics `[B, Hq, T, planes, R]` of rows first_row .. first_row + R
     (T: the first key tiles, at least those the rows see) as `combine` takes them:
     maxima and totals `[B, Hq, T, R]`, unit sums `[B, Hq, T, R, P]`; tiles a row tile
@@ -49,7 +43,7 @@ def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool, first_row, cols)
     memory holds."""
     row0 = first_row + jnp.arange(stats.shape[-1], dtype=jnp.int32) // plan.rows * plan.rows
     seen = (jnp.arange(stats.shape[2])[:, None]
-            < visible_tiles(plan, causal, row0, cols)[None, :])
+            < visible_tiles(plan, row0, cols)[None, :])
     maxes, sums, totals = _split_planes(stats, plan.units_per_tile)
     return (jnp.where(seen, maxes, -jnp.inf), jnp.where(seen[..., None], sums, 0.0),
             jnp.where(seen, totals, 0.0))
@@ -57,16 +51,10 @@ def _planes(stats: jax.Array, plan: EstimatePlan, causal: bool, first_row, cols)
 
 def _folded_block_sums(stats: jax.Array, plan: EstimatePlan, sees_keys) -> jax.Array:
     """Block sums `[B, Hq, qb, kb]` of a whole causal call from its folded statistics
-    `[B, Hq, fold_slots, planes, fold_places x rows]` (`estimate_plan.folded_place`), read
-    where they are: place p's rows are row tile p's in its slots 0 .. v_p - 1 and row
-    tile R - 1 - p's in its last v_{R-1-p} slots (v: `row_tiles_seen`; R row tiles), two
-    rows of the softmax each, weighed apart (`row_weights`) into one array of weights
-    (the two row tiles' slots do not overlap), so that each unit sum is multiplied once
-    (on the H200 the epilogue took 0.163 ms at causal 64K against 0.227 with a product
-    per row tile, tuning.md note 42); the rows are summed into chunks of gcd(rows,
-    block_rows) in place, and only those chunk sums are unfolded into the row tiles'
-    order (slots reversed for the later row tiles) and summed into blocks. Slots a
-    place's row tiles do not see are never read into a sum."""
+    `plan.stats_shape`, read in place: place p holds row tile p in its first slots and
+    row tile R - 1 - p in its last ones (`grid.folded_place`), weighed apart into one
+    array of weights (each unit sum multiplied once); only the rows' chunk sums are
+    unfolded. Slots a place's row tiles do not see are never read into a sum."""
     geom = plan.geom
     b, h, slots = stats.shape[:3]
     rows, tiles, units = plan.rows, plan.key_tiles, plan.units_per_tile
@@ -148,9 +136,9 @@ def _tail_tile(keys: jax.Array, table, count, cols, plan: EstimatePlan) -> jax.A
     return jnp.where((tokens < count)[..., None], chunk, jnp.zeros((), chunk.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "causal", "norm"))
-def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
-               norm: float, key_len: jax.Array | None = None,
+@functools.partial(jax.jit, static_argnames=("plan", "norm"))
+def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, norm: float,
+               key_len: jax.Array | None = None,
                block_table: jax.Array | None = None) -> jax.Array:
     """Mosaic GPU sections 1-3: float32 block sums `[B, Hq, ceil(Lq/bs), ceil(Lk/bs)]`.
 
@@ -187,23 +175,22 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, causal: bool,
         scalars = jnp.concatenate([kernel_keys, first,
                                    jnp.asarray(first_head, jnp.int32)[None]])
         stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
-                                      causal=causal, scale=scale,
-                                      step=row_step(plan, first_row))
+                                      scale=scale, step=row_step(plan, first_row))
         if plan.stats_epilogue:  # one kernel, folded or not
             epilogue_scalars = jnp.stack([jnp.asarray(v, jnp.int32)
                                           for v in (cols, first_row, sees_keys)])
-            return epilogue.stats_block_sums(stats, epilogue_scalars, plan=plan,
-                                             causal=causal, q_blocks=q_blocks)
+            return stats_epilogue.stats_block_sums(stats, epilogue_scalars, plan=plan,
+                                                   q_blocks=q_blocks)
         if plan.fold:  # a whole causal call: all rows, all keys
             return _folded_block_sums(stats, plan, sees_keys)
-        maxes, sums, totals = _planes(stats[:, :, :slots], plan, causal, first_row, cols)
+        maxes, sums, totals = _planes(stats[:, :, :slots], plan, first_row, cols)
         return combine(maxes, sums, totals, geom, plan.unit, first_row, q_blocks, sees_keys)
 
     if not plan.call_rows and not plan.call_heads:
         return block_sums_of(0, 0, geom.q_blocks)
     row_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks
     out = None
-    for steps, slots in epilogue_steps(plan, causal):
+    for steps, slots in epilogue_steps(plan):
         out = in_steps(geom, plan.heads, row_blocks,
                        functools.partial(block_sums_of, slots=slots), steps, out)
     return out

@@ -41,24 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from xattn_jax.mosaic.common import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
+                                     tile_transforms)
 from xattn_jax.mosaic.plan import AttentionPlan
 from xattn_jax.row_statistics import LOG2_E
 
 LN_2 = math.log(2.0)
 _M_START = -1e30  # running max before any visible key (log2 units); finite on purpose
-# Registers per thread, raised in the consumer warpgroups and lowered in the producer's;
-# 240 / 24 ran within the rounds' spread of these (docs/tuning.md:
-# mosaic-warpgroup-registers).
-CONSUMER_REGISTERS = 232
-PRODUCER_REGISTERS = 40
-SWIZZLE_BYTES = 128
-WG_AXIS = "wg"
-
-
-def _tile_transforms(dtype) -> tuple:
-    """Shared-memory layout of a [rows, head_dim] operand tile for wgmma."""
-    columns = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
 def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
@@ -233,7 +222,7 @@ def attention_call(q, k, v, tiles, counts, bounds, block_table=None, *, plan: At
     kv_heads = k.shape[1] if block_table is None else k.shape[2]
     num_ctas = q_rows // plan.rows_per_cta
     warpgroups = plan.compute_warpgroups
-    tile_layout = _tile_transforms(q.dtype)
+    tile_layout = tile_transforms(q.dtype)
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, q_heads, q_rows), jnp.float32)
                 if return_lse else None]

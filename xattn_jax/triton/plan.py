@@ -3,7 +3,7 @@ many kernel calls, with how much scratch. Built here, from the geometry, the dty
 causal flag, where it runs and the caller's scratch bound; the kernels read the plan and
 derive nothing themselves.
 
-Tuned values (`TUNED`, `ONE_PASS_*`, `*_SPAN`, `MIN_PROGRAMS`, `SELECT_*`) were measured
+Tuned values (`TUNED`, `*_SPAN`, `MIN_PROGRAMS`, `SELECT_*`) were measured
 on an H200 with `python -m bench.tune`; docs/tuning.md has the decisions, cited by name.
 """
 
@@ -16,7 +16,7 @@ import math
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry, cdiv, next_pow2
-from xattn_jax.row_statistics import UnitSums
+from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES, UnitSums
 
 ONE_PASS, TWO_PASS, STRIDED_SCORES = "one_pass", "two_pass", "strided_scores"
 BLOCK_SUM_KERNELS = (ONE_PASS, TWO_PASS)
@@ -59,15 +59,6 @@ BASE_HEAD_DIM = 128  # larger head dims shrink the tile (docs/tuning.md: triton-
 # key tiles per one-pass program (docs/tuning.md: triton-span, triton-causal-span)
 SPAN, CAUSAL_SPAN = 8, 2
 MIN_PROGRAMS = 1024  # smaller grids split the keys further (docs/tuning.md: triton-min-programs)
-# One-pass scratch: a call whose whole scratch fits in 1.5 GiB runs in one kernel call
-# (64K tokens, 32 heads: 0.06-1.06 GiB for blocks of 4096 down to 64; row steps of 48 MiB
-# measured 6-17% slower there; docs/tuning.md: triton-whole-call-scratch). Larger calls
-# step within 48 MiB (keeps the 128K causal call within 64 MiB), or within 1/16 of their
-# float32 result where that is more (1M tokens x 32 heads: 512 MiB hold 13K rows of one
-# head per call; docs/tuning.md: triton-step-scratch).
-ONE_PASS_WHOLE_CALL_BYTES = 3 << 29
-ONE_PASS_STEP_BYTES = 48 << 20
-SCRATCH_PER_RESULT = 16
 # The selection program: rows x padded key blocks it holds, and its warps, by the
 # padded width up to which they apply (the last: every wider row). At widths 256-2048
 # each is the fastest of 1-16 rows with 2-8 warps measured on the H200 (5-11% faster than
@@ -191,18 +182,6 @@ def _default_span(geom: Geometry, tiles: Tiles, causal: bool) -> int:
     return min(CAUSAL_SPAN if causal else SPAN, cdiv(key_tiles, groups))
 
 
-def _scratch_bound(plan: Plan) -> int:
-    """The default one-pass scratch bound (`ONE_PASS_WHOLE_CALL_BYTES` and the step
-    sizes above)."""
-    geom = plan.geom
-    whole = plan.head_row_scratch_bytes * geom.q_heads * plan.padded_rows
-    if whole <= ONE_PASS_WHOLE_CALL_BYTES:
-        return whole
-    result = (geom.batch * geom.q_heads * geom.q_blocks * geom.k_blocks
-              * jnp.dtype(jnp.float32).itemsize)
-    return max(ONE_PASS_STEP_BYTES, result // SCRATCH_PER_RESULT)
-
-
 def _even_steps(total: int, fit: int, quantum: int) -> int | None:
     """The size of the steps that cover `total` (heads, or rows): a multiple of
     `quantum`, the smallest that needs no more steps than the largest within `fit` (the
@@ -240,7 +219,8 @@ def plan_block_sums(geom: Geometry, dtype, causal: bool, *, interpret: bool,
 
     tiles: default `tuned_tiles`; span default `_default_span`. kernel: default ONE_PASS
     if one row step of one head fits in `max_scratch_bytes` of scratch (default
-    `_scratch_bound`), else TWO_PASS (each score computed twice, no scratch).
+    `row_statistics.DEFAULT_SCRATCH_BYTES`, docs/tuning.md: workspace-bound), else
+    TWO_PASS (each score computed twice, no scratch).
     """
     tiles = tiles or tuned_tiles(geom, dtype)
     span = tiles.span or _default_span(geom, tiles, causal)
@@ -248,7 +228,7 @@ def plan_block_sums(geom: Geometry, dtype, causal: bool, *, interpret: bool,
     plan = Plan(geom, ONE_PASS, tiles.block_q, tiles.block_k, block_d, tiles.num_warps,
                 tiles.num_stages, interpret=interpret)
     plan = dataclasses.replace(plan, span=min(span, plan.key_tiles))
-    bound = max_scratch_bytes or _scratch_bound(plan)
+    bound = max_scratch_bytes or DEFAULT_SCRATCH_BYTES
     call = _call_shape(plan, bound)
     if kernel not in (None, *BLOCK_SUM_KERNELS):
         raise ValueError(f"kernel must be one of {BLOCK_SUM_KERNELS}, got {kernel!r}")

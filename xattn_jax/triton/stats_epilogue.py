@@ -1,24 +1,16 @@
 """The Mosaic block sums' epilogue (docs/estimate.md sections 2-3) as one Triton-backend
-Pallas kernel over the statistics `tile_stats` wrote (`EstimatePlan.stats_epilogue`).
+Pallas kernel over the statistics `xattn_jax.mosaic.tile_stats` wrote
+(`EstimatePlan.stats_epilogue`): `row_statistics.combine`'s math, without XLA's several
+reductions over the statistics (and, folded, their unfolding).
 
-The math is `row_statistics.combine`'s: per reshaped query row, M = max of the tiles'
-maxima m and L = sum of 2^(m - M) x totals over the key tiles the row's row tile sees
-(`visible_tiles`), then each unit sum weighed by 2^(m - M) / L and the rows summed into
-query blocks. XLA runs that as several reductions over the statistics (and, folded, an
-unfolding); here one program per (batch, head, row tile) walks its row tile's key tiles
-twice, reading them where the kernel stored them (`folded_place` with `plan.fold`):
-
-1. M and L together, as a running maximum and a rescaled running sum (2 planes a tile);
-2. per key tile, its unit sums `[P, rows]` weighed and summed over each query block's
-   rows, stored as block sums (0 for key tiles the row tile does not see).
-
-Each pass reads several key tiles at once (`tiles_per_step`), so that a program walking
-many (a chunk over a long context, a row step of 1M) is not bound by one load's latency
-per tile. The kernel writes, per row tile, the sums of each chunk of min(block_rows,
-rows) rows per unit, padded to whole row tiles and steps of key tiles: the block sums
-themselves where a query block lies in one row tile and a key block is one unit
-(`_direct`), else sums that `stats_block_sums` adds up into blocks. Rows past the
-queries, and every row of a call without keys, add nothing (`row_counts`).
+One program per (batch, head, row tile) walks the key tiles its row tile sees
+(`grid.visible_tiles`), where the kernel stored them (`grid.folded_place` when folded),
+twice: the rows' M and L as a running maximum and rescaled sum, then each tile's unit
+sums weighed by 2^(m - M) / L and summed over chunks of min(block_rows, rows) rows. Each
+pass reads several tiles at once (`tiles_per_step`). Where a query block lies in one row
+tile and a key block is one unit (`_direct`) the output is the block sums; else
+`stats_block_sums` adds it up into blocks. Padded rows, and every row of a call without
+keys, add nothing (`row_counts`).
 """
 
 from __future__ import annotations
@@ -32,17 +24,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import cdiv, next_pow2
-from xattn_jax.mosaic.estimate_plan import EstimatePlan, visible_tiles
+from xattn_jax.mosaic.estimate_plan import EstimatePlan
+from xattn_jax.mosaic.grid import visible_tiles
 from xattn_jax.partitioning import kernel_output
 from xattn_jax.row_statistics import fit, row_counts
 
-# Warps per program and floats a program reads at once (`tiles_per_step`). H200, block
-# sums of the default plans, medians of 2 rotating rounds under sustained load, 8192 on
-# 4 warps / 16384 on 8 (session 33): causal 32K 1.0129 / 1.0138 ms, 64K 3.8003 / 3.8039,
-# the 4096-query chunk over 64K 0.4435 / 0.4437; one tile at a time, the chunk's
-# epilogue took 30.7 us, at 8192 floats 6.5.
-EPILOGUE_WARPS = 4
-STEP_ELEMENTS = 8192
+# warps per program and floats a program reads at once (docs/tuning.md:
+# mosaic-stats-epilogue)
+EPILOGUE_WARPS, STEP_ELEMENTS = 4, 8192
 _M_START = -1e30  # the running maximum before any tile: finite, so 2^(start - M) is 0
 
 
@@ -51,22 +40,22 @@ def _direct(plan: EstimatePlan) -> bool:
     return plan.geom.block_rows <= plan.rows and plan.unit == plan.geom.block_rows
 
 
-def tiles_per_step(plan: EstimatePlan, planes: int, elements: int) -> int:
+def tiles_per_step(plan: EstimatePlan, planes: int) -> int:
     """Key tiles a program reads at once: `planes` planes of its rows each, about
-    `elements` floats in all (a power of two, at most the key tiles' next one)."""
-    fit_tiles = max(1, elements // (planes * plan.rows))
+    STEP_ELEMENTS floats in all (a power of two, at most the key tiles' next one)."""
+    fit_tiles = max(1, STEP_ELEMENTS // (planes * plan.rows))
     return min(1 << (fit_tiles.bit_length() - 1), next_pow2(plan.key_tiles))
 
 
-def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool,
-            max_tiles: int, sum_tiles: int):
+def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, max_tiles: int,
+            sum_tiles: int):
     """max_tiles / sum_tiles: key tiles read at once for the maxima and totals (pass 1)
     and for the unit sums (pass 2)."""
     geom, rows, units = plan.geom, plan.rows, plan.units_per_tile
     tile_row = pl.program_id(1)
     cols, first_row, sees_keys = scalars_ref[0], scalars_ref[1], scalars_ref[2]
     row0 = first_row + tile_row * rows  # of all the query rows
-    seen = visible_tiles(plan, causal, row0, cols)
+    seen = visible_tiles(plan, row0, cols)
     place, late = tile_row, None
     if plan.fold:
         late = tile_row >= plan.fold_places
@@ -125,12 +114,9 @@ def _kernel(scalars_ref, stats_ref, out_ref, *, plan: EstimatePlan, causal: bool
     lax.fori_loop(0, cdiv(plan.key_tiles, sum_tiles), weighed, None)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "causal", "q_blocks", "interpret",
-                                             "elements", "warps"))
+@functools.partial(jax.jit, static_argnames=("plan", "q_blocks", "interpret"))
 def stats_block_sums(stats: jax.Array, scalars: jax.Array, *, plan: EstimatePlan,
-                     causal: bool, q_blocks: int, interpret: bool = False,
-                     elements: int = STEP_ELEMENTS, warps: int = EPILOGUE_WARPS
-                     ) -> jax.Array:
+                     q_blocks: int, interpret: bool = False) -> jax.Array:
     """Block sums `[B, heads, q_blocks, kb]` float32 of one kernel call's rows from its
     statistics (`plan.stats_shape`, folded or not; entries of tiles a row tile does not
     see are never read). scalars: int32 `[3]`: the reshaped key columns in use, the
@@ -141,12 +127,11 @@ def stats_block_sums(stats: jax.Array, scalars: jax.Array, *, plan: EstimatePlan
     row_tiles = plan.call_row_tiles if plan.fold else stat_rows // plan.rows
     chunk = min(geom.block_rows, plan.rows)
     units = plan.units_per_tile
-    max_tiles = tiles_per_step(plan, 2, elements)
-    sum_tiles = tiles_per_step(plan, 1 + units, elements)
+    max_tiles = tiles_per_step(plan, 2)
+    sum_tiles = tiles_per_step(plan, 1 + units)
     out_rows = row_tiles * (plan.rows // chunk)
     out_cols = cdiv(plan.key_tiles, sum_tiles) * sum_tiles * units  # whole steps
-    kernel = functools.partial(_kernel, plan=plan, causal=causal, max_tiles=max_tiles,
-                               sum_tiles=sum_tiles)
+    kernel = functools.partial(_kernel, plan=plan, max_tiles=max_tiles, sum_tiles=sum_tiles)
 
     def pair_block(pair, tile_row):  # the (batch, head) pair's whole arrays
         del tile_row
@@ -160,7 +145,7 @@ def stats_block_sums(stats: jax.Array, scalars: jax.Array, *, plan: EstimatePlan
                                lambda *ids: pair_block(*ids) + (0,))],
         out_specs=pl.BlockSpec((None, None, out_rows, out_cols), pair_block),
         out_shape=kernel_output((b, heads, out_rows, out_cols), jnp.float32, stats, scalars),
-        compiler_params=plgpu.CompilerParams(num_warps=warps),
+        compiler_params=plgpu.CompilerParams(num_warps=EPILOGUE_WARPS),
         interpret=interpret,
     )(scalars, stats)
     if _direct(plan):  # whole query blocks of the rows, a unit a key block
