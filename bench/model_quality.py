@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 import time
 
 import jax
@@ -40,7 +41,7 @@ import numpy as np
 import xattn_jax
 from bench import llama, smollm2, texts
 from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
-from bench.common import gpu_name, log, today, versions, write_outputs
+from bench.common import commit, gpu_name, log, today, versions, write_outputs
 
 PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PASSKEY_KEYS = (71432, 38517, 90264, 46871, 25309, 63148, 17952, 84036, 52790)
@@ -375,6 +376,13 @@ def run(model: Model, settings, tokens, passkey_length: int | None, text: str) -
     return records
 
 
+def header(records: list[dict], command: str) -> str:
+    """The record's heading: the command, and what and where it ran."""
+    r = records[0]
+    return (f"`{command}`\n\n{r['text']}, {r['length']} tokens, {r['dtype']}, {r['gpu']}, "
+            f"{r['date']}, commit {r['commit']}; {r['versions']}")
+
+
 def markdown(records: list[dict], header: str) -> str:
     lines = [header, "",
              "| setting | density | top-1 | ppl change | KL mean | KL p99 | passkey kept |",
@@ -425,11 +433,13 @@ def main(argv=None) -> None:
                                for t in args.targets.split(",")]
     records = run(model, settings, tokens, (256 if args.smoke else args.passkey_length)
                   if args.passkey else None, args.text)
-    meta = {"gpu": gpu_name(), "date": today(), "versions": versions(), "dtype": str(dtype)}
+    meta = {"gpu": gpu_name(), "date": today(), "versions": versions(), "dtype": jnp.dtype(dtype).name,
+            "commit": commit()}
     for r in records:
         r.update(meta)
-    table = markdown(records, f"{args.text}, {length} tokens, {meta['gpu']}, {meta['date']}")
-    write_outputs(records, table, args.json, args.md)
+    command = " ".join(["python -m bench.model_quality", *(sys.argv[1:] if argv is None
+                                                           else argv)])
+    write_outputs(records, markdown(records, header(records, command)), args.json, args.md)
 
 
 if __name__ == "__main__":
