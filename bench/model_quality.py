@@ -433,8 +433,8 @@ def main(argv=None) -> None:
                                for t in args.targets.split(",")]
     records = run(model, settings, tokens, (256 if args.smoke else args.passkey_length)
                   if args.passkey else None, args.text)
-    meta = {"gpu": gpu_name(), "date": today(), "versions": versions(), "dtype": jnp.dtype(dtype).name,
-            "commit": commit()}
+    meta = {"gpu": gpu_name(), "date": today(), "versions": versions(),
+            "dtype": jnp.dtype(dtype).name, "commit": commit()}
     for r in records:
         r.update(meta)
     command = " ".join(["python -m bench.model_quality", *(sys.argv[1:] if argv is None
