@@ -43,7 +43,7 @@ import numpy as np
 
 from xattn_jax.checks import (SUPPORTED_DTYPES, cached_keys, check_array, check_int,
                               check_traced, readable_on_host)
-from xattn_jax.geometry import cdiv
+from xattn_jax.geometry import cdiv, next_pow2
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -94,14 +94,26 @@ def _round_up_to_scale_bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((bits + drop) & ~jnp.uint32(drop), jnp.float32)
 
 
+def _pairwise_sum(x: jax.Array, axis: int) -> jax.Array:
+    """The sum along `axis` (kept, size 1) in a fixed order: halves added pairwise. So
+    the offsets, and every value, are the same bits however many groups one call
+    quantizes (a reduction's order may change with the shape)."""
+    x = jnp.pad(x, [(0, next_pow2(x.shape[axis]) - x.shape[axis]) if a == axis else (0, 0)
+                    for a in range(x.ndim)])
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = jax.lax.slice_in_dim(x, 0, half, axis=axis) + \
+            jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)
+    return x
+
+
 def _quantize_groups(x, in_use, tokens_axis: int):
     """float32 x with each group's tokens on `tokens_axis` and channels last; in_use bool,
     broadcastable to x: the tokens the statistics cover (the others are stored as 0).
     Returns (values float8_e4m3fn, scales, offsets) with keepdims statistics."""
     counted = in_use & jnp.isfinite(x)
     count = counted.sum(axis=tokens_axis, keepdims=True)
-    offsets = jnp.where(counted, x, 0.0).sum(axis=tokens_axis, keepdims=True) \
-        / jnp.maximum(count, 1)
+    offsets = _pairwise_sum(jnp.where(counted, x, 0.0), tokens_axis) / jnp.maximum(count, 1)
     rest = x - offsets
     amax = jnp.where(counted, jnp.abs(rest), 0.0).max(axis=(tokens_axis, x.ndim - 1),
                                                       keepdims=True)
