@@ -15,11 +15,16 @@ over the second half of the text (each position predicting the next token):
   greedy decoding (dense attention over the cache after the prefill) writes it.
 
 Settings (`SETTINGS`, or `--settings a,b`): "dense"; the estimate's rule at a threshold
-and stride; and "oracle" rows, which apply the same selection rule to the exact block
-mass of the true attention (what no estimate can beat: the loss the rule itself causes).
+and stride; "estimate-fp8", the estimate on the keys in fp8 (`xattn_jax.fp8.quantize_keys`,
+what an offloaded cache's key shadow holds); and "oracle" rows, which apply the same
+selection rule to the exact block mass of the true attention (what no estimate can beat:
+the loss the rule itself causes). `--fp8-agreement` also reports, per layer on the dense
+model's activations, the share of the causally allowed block pairs on which the estimate
+on fp8 keys selects as the estimate on the bf16 keys.
 
     python -m bench.model_quality --text python-docs --length 8192 --passkey
     python -m bench.model_quality --smoke        # CPU, a few settings at 512 tokens
+    python -m bench.model_quality --length 4096 --settings dense --fp8-agreement
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 
 import xattn_jax
 from bench import llama, smollm2, texts
+from xattn_jax import fp8
 from bench.common import gpu_name, log, today, versions
 
 PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -47,7 +53,8 @@ KEPT_NATS = 1.0  # a passkey is kept when its log-prob is at most this below den
 class Setting:
     """One way to run the prefill's attention.
 
-    rule: "dense", "estimate" (xattn_estimate's block sums) or "oracle" (the exact block
+    rule: "dense", "estimate" (xattn_estimate's block sums), "estimate-fp8" (the same on
+    the keys in fp8, `xattn_jax.fp8.quantize_keys`) or "oracle" (the exact block
     mass of the true attention), selected by xattn_jax's threshold rule, on blocks of
     `block_size` tokens (the estimate with `stride` and `norm`). Levers, passed as data
     (no recompilation): threshold, a float or a `[layers, Hq]` table; dense_last, the
@@ -89,6 +96,7 @@ def grid(rule: str, thresholds, **kw) -> list[Setting]:
 SETTINGS = ([Setting("dense", "dense")]
             + grid("estimate", (0.8, 0.9, 0.95, 0.97, 0.99))
             + grid("estimate", (0.9, 0.95), stride=16)
+            + grid("estimate-fp8", (0.9, 0.95))
             + grid("oracle", (0.8, 0.9, 0.95, 0.97, 0.99)))
 SMOKE = [Setting("dense", "dense"), Setting("estimate 0.9", block_size=64, stride=8),
          Setting("oracle 0.9", "oracle", block_size=64)]
@@ -135,7 +143,8 @@ def select(q, k, levers: dict, kernel: tuple, scale: float):
         sums = exact_block_mass(q, k, bs, scale)
         mask = xattn_jax.select_blocks(sums, levers["threshold"], causal=True)
     else:
-        sums, mask = xattn_jax.xattn_estimate(q, k, block_size=bs, stride=stride,
+        keys = fp8.quantize_keys(k) if rule == "estimate-fp8" else k
+        sums, mask = xattn_jax.xattn_estimate(q, keys, block_size=bs, stride=stride,
                                               threshold=levers["threshold"], causal=True,
                                               norm=norm)
     return apply_levers(mask, sums, levers)
@@ -297,6 +306,38 @@ def head_errors(model: Model, tokens, thresholds, stride: int, block_size: int) 
     return {name: np.asarray(x) for name, x in aux.items()}
 
 
+FP8_AGREEMENT = dict(threshold=0.9, block_size=128, stride=8)  # --fp8-agreement's estimate
+
+
+def fp8_agreement(model: Model, tokens) -> np.ndarray:
+    """float `[layers]`: per layer, on the dense model's own activations rounded to bf16,
+    the share of the causally allowed (query block, key block) pairs on which the causal
+    estimate (FP8_AGREEMENT) on the keys in fp8 selects as the one on the bf16 keys."""
+    options = dict(FP8_AGREEMENT, causal=True)
+
+    def attention(q, k, v, layer):
+        del layer
+        q16, k16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+        _, mask = xattn_jax.xattn_estimate(q16, k16, **options)
+        _, mask8 = xattn_jax.xattn_estimate(q16, fp8.quantize_keys(k16), **options)
+        allowed = causal_allowed(mask.shape[-1])
+        same = ((mask == mask8) & allowed).sum() / (allowed.sum() * mask[..., 0, 0].size)
+        return llama.dense_attention(q, k, v, scale=model.cfg.scale), same
+
+    _, same, _ = llama.prefill(model.params, jnp.asarray(tokens)[None], None, cfg=model.cfg,
+                               attention=attention)
+    return np.asarray(same)
+
+
+def fp8_markdown(same: np.ndarray) -> str:
+    settings = ", ".join(f"{name} {value}" for name, value in FP8_AGREEMENT.items())
+    lines = ["", f"Estimate on fp8 keys against bf16 keys ({settings}): mask agreement per "
+             f"layer, lowest {same.min():.5f}, mean {same.mean():.5f}", "",
+             "| layer | agreement |", "|---|---|"]
+    lines += [f"| {i} | {x:.5f} |" for i, x in enumerate(same)]
+    return "\n".join(lines) + "\n"
+
+
 def answer_logprob(logits, prompt_len: int, answer: list[int]) -> float:
     """The teacher-forced log-probability of `answer` after the prompt."""
     steps = jax.nn.log_softmax(logits[prompt_len - 1: prompt_len - 1 + len(answer)], axis=-1)
@@ -367,6 +408,8 @@ def main(argv=None) -> None:
     parser.add_argument("--passkey-length", type=int, default=7168)
     parser.add_argument("--settings", help="comma-separated names from SETTINGS")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: 512 tokens")
+    parser.add_argument("--fp8-agreement", action="store_true",
+                        help="also report the fp8 keys' mask agreement per layer")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--md", help="write the markdown table here")
     args = parser.parse_args(argv)
@@ -387,6 +430,8 @@ def main(argv=None) -> None:
     for r in records:
         r.update(meta)
     table = markdown(records, f"{args.text}, {length} tokens, {meta['gpu']}, {meta['date']}")
+    if args.fp8_agreement:
+        table += fp8_markdown(fp8_agreement(model, tokens))
     print(table)
     if args.json:
         with open(args.json, "w") as f:
