@@ -7,7 +7,7 @@
 in the same jitted computation as the estimate) and runs its usual kernel on the result;
 a kernel that multiplies fp8 keys directly needs a GPU to write and time.
 
-The scheme (bench/results/fp8_schemes_cpu.md; docs/tuning.md: fp8-key-groups): the keys
+The scheme (bench/results/fp8_schemes_cpu.md; docs/tuning.md: fp8-key-mean): the keys
 of one KV head are cut into groups of `group` consecutive tokens. Each group's mean key
 (per channel, over its tokens in use) is removed and kept as its offset; the rest is
 divided by the group's scale and rounded to float8_e4m3fn (to nearest even, saturated at
@@ -23,7 +23,9 @@ The product values * scale is exact in float32 (4 and 20 significant bits), so t
 dequantized keys are the same whether a compiler fuses the multiply and the add or not.
 
 Removing the mean is what keeps the selections: fp8 rounds every element to 3 mantissa
-bits whatever its scale, so only a smaller magnitude gives a smaller error. A group of
+bits whatever its scale, so only a smaller magnitude gives a smaller error (on the real
+model, 99.90% of the estimate's block choices as with bf16 keys, against 99.65% with one
+scale per head and no mean). A group of
 16 tokens is 2 stride groups of 8 (1 of 16): within a reshaped key column (section 1)
 the scale and the offset are constant, so they factor out of the strided product, as an
 fp8 kernel needs.
@@ -52,6 +54,7 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 # (docs/tuning.md: fp8-key-groups)
 GROUP = 16
 # significant bits of a scale: fp8 values hold 4, so values * scale is exact in float32
+# (docs/tuning.md: fp8-key-scales)
 SCALE_BITS = 20
 
 

@@ -7,9 +7,9 @@ The page holds the block's keys as `xattn_jax.quantize_keys` makes them (docs/es
 offset per group of `group` tokens and KV head. `append` rewrites the shadow of every
 page it writes to, from the page's device keys; `offload` and `load` leave it as it is.
 
-Memory per shadow page: page_size * Hkv * (D + 4 (D + 1) / group) bytes (D = 128 and
-groups of 64: 136 bytes per token and KV head, 27% of the 512 bytes of its K and V in
-bf16).
+Memory per shadow page: page_size * Hkv * (D + 4 (D + 1) / group) bytes: the values, a
+quarter of the bytes of K and V in bf16, plus the scales and offsets (D = 128, groups of
+16: 160 bytes per token and KV head, 31% of the 512 bytes of its K and V).
 
 The quantization is `xattn_jax`'s, run through the zero-copy bridge in one jitted call per
 append (the pages' keys read in place, on torch's current stream's order); its results
@@ -34,7 +34,8 @@ CHOICES = ("fp8",)  # the shadows a PagedKVCache can keep
 
 def group_for(page_size: int) -> int:
     """Tokens per scale and offset of a shadow page: `fp8.GROUP` where it divides the
-    page, else the whole page (pages of 16 or 7 tokens: one group each)."""
+    page, else the whole page (pages of 8 or 7 tokens: one group each; docs/tuning.md:
+    fp8-key-groups)."""
     return fp8.GROUP if page_size % fp8.GROUP == 0 else page_size
 
 

@@ -132,9 +132,9 @@ class PagedKVCache:
         at most this many offloaded blocks per `stage_keys` or `block_table` call.
       key_shadow: None, or "fp8": keep an fp8 copy of every live block's keys on the
         device (module docstring; `shadow_table`). Memory: (num_blocks + num_cpu_blocks)
-        * block_size * Hkv * (D + 4 (D + 1) / group) bytes, group = 64 tokens where it
-        divides block_size, else block_size: about a quarter of the bytes of K and V in
-        bf16 (27% at D = 128), plus the scales and offsets in that sum.
+        * block_size * Hkv * (D + 4 (D + 1) / group) bytes, group = 16 tokens where it
+        divides block_size, else block_size: a quarter of the bytes of K and V in bf16
+        for the values, plus the scales and offsets (31% in all at D = 128).
 
     Attributes: `copies`, a `collections.Counter` of the pages copied between the device
     and the CPU: "offload" (K and V to the CPU), "load" (K and V back), "stage" (keys of
