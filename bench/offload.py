@@ -29,13 +29,16 @@ block table of the pages kept (padded to every page, the padding masked out; cau
 the chunk's own page), the Mosaic kernel on Hopper.
 
 Records (one per prompt and way, summed over the chunks; `bench.common.record`):
-`ms`, `h2d_mib` (bytes copied host to device), `floor_ms` (per chunk the larger of the
-copies at the pinned copy rate measured in the run and the FLOPs of the estimate and the
-attention kept at the rate of the run's 8192^3 matmul: copies overlapped with compute,
-as a pipelined engine overlaps a layer's loads with the layer before), `extra_mib`
-(device memory beyond the resident pages at the largest chunk: loaded pages, staging,
-the shadow), `density` (the share of context pages attended), `same_as_seed` (shadow:
-the share of the seed's page choices it repeats).
+- `ms`; `h2d_mib`, the bytes copied host to device; `h2d_gbps`, the pinned copy rate
+  measured in the run;
+- `floor_ms`: per chunk the larger of the copies at that rate and the FLOPs of the
+  estimate and of the attention kept at the rate of the run's 8192^3 matmul (copies
+  overlapped with compute, as a pipelined engine overlaps a layer's loads with the
+  layer before; here one layer runs alone, so its copies are exposed);
+- `extra_mib`: device memory beyond the resident pages at the largest chunk (loaded
+  pages, staging, the shadow);
+- `density`: the share of context pages attended; `same_as_seed` (shadow): the share
+  of the seed's page choices it repeats.
 `--smoke` shrinks every size (pages and chunks of 256, 4 heads of 64) for a CPU run, where
 copies are memcpy and the floors mean nothing.
 """
@@ -51,7 +54,6 @@ import time
 
 import xattn_torch_bridge as xb  # first: configures JAX's GPU memory
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -105,7 +107,7 @@ def build(length: int, sc: Scenario, device: str) -> Setup:
     data = structured_qk(0, heads=sc.kv_heads, length=length, head_dim=sc.head_dim)
     dtype = torch.bfloat16
     group = sc.q_heads // sc.kv_heads
-    q = torch.from_numpy(np.array(jnp.repeat(data.q[0], group, axis=0), np.float32))
+    q = torch.from_numpy(np.repeat(np.asarray(data.q[0], np.float32), group, axis=0))
     queries = q.reshape(sc.q_heads, pages, sc.page, -1).transpose(0, 1).to(device, dtype) \
         .contiguous()
     k = torch.from_numpy(np.array(data.k[0], np.float32)).transpose(0, 1).contiguous().to(dtype)
@@ -266,7 +268,7 @@ def prompt_rows(length: int, sc: Scenario, device: str, rate: float,
                 same += chunk - len(seed_pages[chunk] ^ set(pages))
         log(f"{length} tokens, chunk {chunk}: " + ", ".join(
             f"{w} {totals[w]['ms']:.1f} ms" for w in WAYS))
-    return [_record(length, way, t, context_pages, tflops,
+    return [_record(length, way, t, context_pages, rate, tflops,
                     same / context_pages if way == "shadow" else None)
             for way, t in totals.items()]
 
@@ -278,9 +280,10 @@ def _shadow_mib(cache: xb.PagedKVCache, pages: int) -> float:
                        for x in (s.values, s.scales, s.offsets)) / 2**20
 
 
-def _record(length: int, way: str, t: dict, context_pages: int, tflops, same) -> dict:
+def _record(length: int, way: str, t: dict, context_pages: int, rate: float, tflops,
+            same) -> dict:
     row = record(f"prefill-{length // 1024}k", way, t["ms"], t["floor"], t["extra"], tflops)
-    row.update(h2d_mib=round(t["bytes"] / 2**20, 1),
+    row.update(h2d_mib=round(t["bytes"] / 2**20, 1), h2d_gbps=round(rate / 1e9, 2),
                density=round(t["kept"] / context_pages, 4))
     if same is not None:
         row["same_as_seed"] = round(same, 4)

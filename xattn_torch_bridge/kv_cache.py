@@ -32,7 +32,9 @@ checks pass: a ValueError (TypeError for a non-tensor) names the argument and th
 (unknown or freed id, repeated id, offloaded or resident block where the other is
 needed, wrong dtype, wrong head count or head_dim, out of capacity).
 
-Stream order on CUDA. `append`, `offload` and `load` copy on torch's current stream;
+Stream order on CUDA. `append`, `offload` and `load` copy on torch's current stream (with
+a key shadow, `append` also quantizes the pages it wrote in one JAX computation ordered
+after those copies, and copies the result into the shadow on the same stream);
 `offload` and `load` wait for their copies (the CPU side is then complete).
 `stage_keys` copies on the cache's side stream and returns an event; `block_table`
 stages the same way and makes torch's current stream wait for it; see their docstrings.
