@@ -61,7 +61,6 @@ from bench.chunked import tokens  # noqa: E402
 from bench.common import (MATMUL_FLOPS, log, matmul_tflops, record,  # noqa: E402
                           strided_flops, write_json)
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
-from xattn_torch_bridge import key_shadow  # noqa: E402
 
 WAYS = ("load-all", "seed", "shadow")
 COPY_PROBE_MIB = 256  # the pinned host-to-device copy timed for the floors
