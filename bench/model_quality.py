@@ -16,14 +16,19 @@ over the second half of the text (each position predicting the next token):
 
 Settings (`SETTINGS`, or `--settings a,b`): "dense"; the estimate's rule at a threshold
 and stride; `xattention`'s defaults (`xattn_jax.attention`: threshold, min_blocks,
-dense_last); "oracle" rows, which apply the same selection rule to the exact block mass of
-the true attention (what no estimate can beat: the loss the rule itself causes); and with
-`--calibrate-on TEXT`, per-head tables from `xattn_jax.calibrate` on the other text's
-dense forward at each `--targets` density (so that nothing is tuned to the text scored).
+dense_last); "estimate-fp8", the estimate on the keys in fp8 (`xattn_jax.fp8.quantize_keys`,
+what an offloaded cache's key shadow holds); "oracle" rows, which apply the same selection
+rule to the exact block mass of the true attention (what no estimate can beat: the loss the
+rule itself causes); and with `--calibrate-on TEXT`, per-head tables from
+`xattn_jax.calibrate` on the other text's dense forward at each `--targets` density (so
+that nothing is tuned to the text scored). `--fp8-agreement` also reports, per layer on
+the dense model's activations, the share of the causally allowed block pairs on which the
+estimate on fp8 keys selects as the estimate on the bf16 keys.
 
     python -m bench.model_quality --text licenses --calibrate-on python-docs --passkey
     python -m bench.plot_model_quality RESULTS.json OUT.png   # KL against density
     python -m bench.model_quality --smoke        # CPU, a few settings at 512 tokens
+    python -m bench.model_quality --length 4096 --settings dense --fp8-agreement
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import numpy as np
 
 import xattn_jax
 from bench import llama, smollm2, texts
+from xattn_jax import fp8
 from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
 from bench.common import commit, gpu_name, log, today, versions, write_outputs
 
@@ -52,7 +58,8 @@ KEPT_NATS = 1.0  # a passkey is kept when its log-prob is at most this below den
 class Setting:
     """One way to run the prefill's attention.
 
-    rule: "dense", "estimate" (xattn_estimate's block sums) or "oracle" (the exact block
+    rule: "dense", "estimate" (xattn_estimate's block sums), "estimate-fp8" (the same on
+    the keys in fp8, `xattn_jax.fp8.quantize_keys`) or "oracle" (the exact block
     mass of the true attention), selected by xattn_jax's threshold rule, on blocks of
     `block_size` tokens (the estimate with `stride` and `norm`). Levers, passed as data
     (no recompilation): threshold, a float or a `[layers, Hq]` table; dense_last, the
@@ -96,6 +103,7 @@ DEFAULTS = Setting("xattention defaults", threshold=THRESHOLD, min_blocks=MIN_BL
 SETTINGS = ([Setting("dense", "dense"), DEFAULTS]
             + grid("estimate", (0.8, 0.9, 0.95, 0.97, 0.99))
             + grid("estimate", (0.9, 0.95), stride=16)
+            + grid("estimate-fp8", (0.9, 0.95))
             + grid("oracle", (0.8, 0.9, 0.95, 0.97, 0.99)))
 SMOKE = [Setting("dense", "dense"), dataclasses.replace(DEFAULTS, block_size=64),
          Setting("estimate 0.9", block_size=64, stride=8),
@@ -143,7 +151,8 @@ def select(q, k, levers: dict, kernel: tuple, scale: float):
         sums = exact_block_mass(q, k, bs, scale)
         mask = xattn_jax.select_blocks(sums, levers["threshold"], causal=True)
     else:
-        sums, mask = xattn_jax.xattn_estimate(q, k, block_size=bs, stride=stride,
+        keys = fp8.quantize_keys(k) if rule == "estimate-fp8" else k
+        sums, mask = xattn_jax.xattn_estimate(q, keys, block_size=bs, stride=stride,
                                               threshold=levers["threshold"], causal=True,
                                               norm=norm)
     return apply_levers(mask, sums, levers)
@@ -330,6 +339,38 @@ def head_errors(model: Model, tokens, thresholds, stride: int, block_size: int) 
     return {name: np.asarray(x) for name, x in aux.items()}
 
 
+FP8_AGREEMENT = dict(threshold=0.9, block_size=128, stride=8)  # --fp8-agreement's estimate
+
+
+def fp8_agreement(model: Model, tokens) -> np.ndarray:
+    """float `[layers]`: per layer, on the dense model's own activations rounded to bf16,
+    the share of the causally allowed (query block, key block) pairs on which the causal
+    estimate (FP8_AGREEMENT) on the keys in fp8 selects as the one on the bf16 keys."""
+    options = dict(FP8_AGREEMENT, causal=True)
+
+    def attention(q, k, v, layer):
+        del layer
+        q16, k16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+        _, mask = xattn_jax.xattn_estimate(q16, k16, **options)
+        _, mask8 = xattn_jax.xattn_estimate(q16, fp8.quantize_keys(k16), **options)
+        allowed = causal_allowed(mask.shape[-1])
+        same = ((mask == mask8) & allowed).sum() / (allowed.sum() * mask[..., 0, 0].size)
+        return llama.dense_attention(q, k, v, scale=model.cfg.scale), same
+
+    _, same, _ = llama.prefill(model.params, jnp.asarray(tokens)[None], None, cfg=model.cfg,
+                               attention=attention)
+    return np.asarray(same)
+
+
+def fp8_markdown(same: np.ndarray) -> str:
+    settings = ", ".join(f"{name} {value}" for name, value in FP8_AGREEMENT.items())
+    lines = ["", f"Estimate on fp8 keys against bf16 keys ({settings}): mask agreement per "
+             f"layer, lowest {same.min():.5f}, mean {same.mean():.5f}", "",
+             "| layer | agreement |", "|---|---|"]
+    lines += [f"| {i} | {x:.5f} |" for i, x in enumerate(same)]
+    return "\n".join(lines) + "\n"
+
+
 def answer_logprob(logits, prompt_len: int, answer: list[int]) -> float:
     """The teacher-forced log-probability of `answer` after the prompt."""
     steps = jax.nn.log_softmax(logits[prompt_len - 1: prompt_len - 1 + len(answer)], axis=-1)
@@ -412,6 +453,8 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", default="0.3,0.35",
                         help="comma-separated mean densities to calibrate for")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: 512 tokens")
+    parser.add_argument("--fp8-agreement", action="store_true",
+                        help="also report the fp8 keys' mask agreement per layer")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--md", help="write the markdown table here")
     args = parser.parse_args(argv)
@@ -439,7 +482,10 @@ def main(argv=None) -> None:
         r.update(meta)
     command = " ".join(["python -m bench.model_quality", *(sys.argv[1:] if argv is None
                                                            else argv)])
-    write_outputs(records, markdown(records, header(records, command)), args.json, args.md)
+    table = markdown(records, header(records, command))
+    if args.fp8_agreement:
+        table += fp8_markdown(fp8_agreement(model, tokens))
+    write_outputs(records, table, args.json, args.md)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,22 @@ from xattn_torch_bridge import PagedKVCache
 
 
 def snapshot(cache: PagedKVCache):
-    """Everything a refused call must leave unchanged: bookkeeping and all four pools."""
+    """Everything a refused call must leave unchanged: bookkeeping, all four pools and
+    the copy counts, and a key shadow's pages and free list."""
     n = cache._next_id
     book = (tuple(a[:n].tolist() for a in (cache._alive, cache._resident, cache._slot,
-                                           cache._tokens)),
+                                           cache._tokens, cache._shadow)),
             list(cache._free), list(cache._free_cpu), n)
     pools = [x.clone() for x in (cache.keys, cache.values, cache.cpu_keys, cache.cpu_values)]
-    return book, pools
+    if cache.shadow is not None:
+        book += (list(cache.shadow._free),)
+        pools += [x.clone() for x in (cache.shadow.values, cache.shadow.scales,
+                                      cache.shadow.offsets)]
+    return book, pools, dict(cache.copies)
 
 
 def assert_same(before, after) -> None:
-    assert before[0] == after[0]
+    assert before[0] == after[0] and before[2] == after[2]
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
 
 

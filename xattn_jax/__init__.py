@@ -6,13 +6,16 @@ cache); `block_sparse_attention` (attention on a block mask) and `xattention` (t
 estimate, then that attention); `calibrate` (per-head thresholds for a model, from sample
 text); `xattn_jax.reference` is the plain-JAX source of truth.
 `checked(fn)` runs `fn` with the values that are data (traced thresholds, key counts,
-block tables) checked too. `__version__`: the distribution's version.
+block tables) checked too. `quantize_keys` makes `Fp8Keys`, keys in fp8 that the
+estimate's functions take in place of k (`xattn_jax.fp8`). `__version__`: the
+distribution's version.
 """
 
 from xattn_jax.api import select_blocks, strided_scores, xattn_estimate
 from xattn_jax.attention import block_sparse_attention, xattention
 from xattn_jax.calibrate import calibrate
 from xattn_jax.checks import checked
+from xattn_jax.fp8 import Fp8Keys, quantize_keys
 from xattn_jax.geometry import Geometry
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
 
@@ -36,6 +39,6 @@ def _version() -> str:
 
 __version__ = _version()
 
-__all__ = ["Geometry", "block_sparse_attention", "calibrate", "checked", "kv_block_scores",
-           "select_blocks", "select_kv_blocks", "strided_scores", "xattention",
-           "xattn_estimate"]
+__all__ = ["Fp8Keys", "Geometry", "block_sparse_attention", "calibrate", "checked",
+           "kv_block_scores", "quantize_keys", "select_blocks", "select_kv_blocks",
+           "strided_scores", "xattention", "xattn_estimate"]

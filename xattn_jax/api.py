@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax import impls, partitioning
+from xattn_jax import fp8, impls, partitioning
 from xattn_jax.checks import (CheckedCalls, check_block_sums, check_flag, check_int,
                               check_norm, check_qk, check_scratch_bytes, threshold_per_head)
 from xattn_jax.geometry import Geometry
@@ -105,6 +105,8 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
       q: queries `[B, Hq, Lq, D]`, the last Lq positions of the key sequence.
       k: keys `[B, Hkv, Lk, D]`, Lq <= Lk, Hq % Hkv == 0 (GQA: query head h reads key head
         h // (Hq // Hkv)). float32, bfloat16 or float16, the same for both; any lengths.
+        k may also be keys in fp8 (`xattn_jax.fp8.Fp8Keys`, contiguous): the estimate of
+        their dequantized keys in q's dtype (docs/estimate.md, "Keys in fp8").
       block_size: tokens per block, a positive multiple of `stride`.
       stride: S, tokens per antidiagonal group.
       threshold: share of each row's mass to keep, in (0, 1] (1: every block): a float,
@@ -149,6 +151,8 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     or -inf (that key gets weight 0, like a masked key; the row stays finite), by the sign
     of the matching q entry.
     """
+    if isinstance(k, fp8.Fp8Keys):  # dequantized to q's dtype first
+        k = fp8.keys_for_estimate(q, k)
     options = dict(block_size=block_size, stride=stride, causal=causal, norm=norm,
                    keep_sink=keep_sink, keep_recent=keep_recent, min_blocks=min_blocks,
                    dense_last=dense_last, impl=impl, max_scratch_bytes=max_scratch_bytes)

@@ -328,8 +328,10 @@ def check_qk(q, k, *, stride, block_size, causal) -> Geometry:
     for name, x in (("q", q), ("k", k)):
         check_array(name, x, "[batch, heads, length, head_dim]")
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(x.dtype)}")
+            hint = " (keys in fp8: pass xattn_jax.fp8.Fp8Keys, from quantize_keys)" \
+                if name == "k" and jnp.dtype(x.dtype).itemsize == 1 else ""
+            raise ValueError(f"{name} must be float32, bfloat16 or float16{hint}, got "
+                             f"{jnp.dtype(x.dtype)}")
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
     (b, hq, lq, d), (bk, hkv, lk, dk) = q.shape, k.shape
@@ -430,7 +432,7 @@ def _check_block_table(block_table, batch: int, num_pages: int) -> jax.Array:
         raise ValueError(f"block_table must have one row per batch element ({batch}), "
                          f"got {block_table.shape[0]}")
     rule = f"block_table's page ids must lie in [0, {num_pages}) (the pages of k)"
-    if _readable_on_host(block_table) and block_table.size:
+    if readable_on_host(block_table) and block_table.size:
         ids = np.asarray(block_table)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_pages:
@@ -442,7 +444,7 @@ def _check_block_table(block_table, batch: int, num_pages: int) -> jax.Array:
     return table
 
 
-def _readable_on_host(x) -> bool:
+def readable_on_host(x) -> bool:
     """Whether x's values can be read without a trace or a wait for an accelerator."""
     if isinstance(x, np.ndarray):
         return True

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xattn_jax import impls, partitioning, reference
+from xattn_jax import fp8, impls, partitioning, reference
 from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_flag,
                               check_float_array, check_kv_sizes, check_norm, check_qk,
                               key_len, kv_groups, scalar_threshold, valid_counts)
@@ -83,7 +83,10 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
       page_size); the kernel reads the pages through the table, with no gathered copy.
       Page ids must lie in [0, num_pages): a table given as numpy or lists, or as a
       jax.Array on the CPU, is checked (ValueError); a traced table or one on a GPU is not
-      read (that would wait for the device).
+      read (that would wait for the device). Or keys in fp8 (`xattn_jax.fp8.Fp8Keys`,
+      contiguous, or paged with `block_table`): the scores of their dequantized keys in
+      q's dtype, gathered through the table into a contiguous copy first
+      (docs/estimate.md, "Keys in fp8").
     n = ceil(capacity / kv_block_size). A block that holds no key (it starts at or past
     k_len) scores `EMPTY_BLOCK` (-1; no share is negative), which `select_kv_blocks` never
     selects. A head's scores over the other blocks sum to ceil(Lq / stride): each reshaped
@@ -97,6 +100,8 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
     k_len below 1 makes every block EMPTY_BLOCK; k_len past the capacity counts as the
     capacity; page ids outside [0, num_pages) are clamped into it (page 0 or the last page).
     """
+    if isinstance(k, fp8.Fp8Keys):  # dequantized, then read as contiguous keys
+        k, block_table = fp8.keys_for_estimate(q, k, block_table), None
     options = dict(kv_block_size=kv_block_size, estimate_block_size=estimate_block_size,
                    stride=stride, norm=norm, per_query_block=per_query_block, impl=impl)
 

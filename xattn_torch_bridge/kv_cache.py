@@ -15,7 +15,14 @@ first num_blocks pages hold resident blocks, the last staging_slots pages are wh
 `stage_keys` and `block_table` copy the keys of offloaded blocks for an estimate (values
 are never staged, so `values` is `[num_blocks, block_size, Hkv, D]`). The CPU pool is
 pinned (page-locked) memory when the device is CUDA, so its copies can run asynchronously
-on a side stream; plain memory otherwise.
+on a side stream; plain memory otherwise. `copies` counts the pages copied between the
+device and the CPU, by kind.
+
+Key shadow. With `key_shadow="fp8"` the cache also keeps, on the device, an fp8 copy of
+every live block's keys (`shadow`, a `key_shadow.KeyShadow`), written by `append` and
+kept through `offload` and `load`; `shadow_table` addresses it, so an estimate over a
+sequence with offloaded blocks reads no CPU page (`XAttentionPolicy.select_blocks` uses
+it). Its memory is in the constructor's docstring.
 
 Bookkeeping is held in numpy arrays indexed by block id, so the checks of a sequence of
 thousands of small pages are a few vectorized operations, not a Python loop per block.
@@ -25,7 +32,9 @@ checks pass: a ValueError (TypeError for a non-tensor) names the argument and th
 (unknown or freed id, repeated id, offloaded or resident block where the other is
 needed, wrong dtype, wrong head count or head_dim, out of capacity).
 
-Stream order on CUDA. `append`, `offload` and `load` copy on torch's current stream;
+Stream order on CUDA. `append`, `offload` and `load` copy on torch's current stream (with
+a key shadow, `append` also quantizes the pages it wrote in one JAX computation ordered
+after those copies, and copies the result into the shadow on the same stream);
 `offload` and `load` wait for their copies (the CPU side is then complete).
 `stage_keys` copies on the cache's side stream and returns an event; `block_table`
 stages the same way and makes torch's current stream wait for it; see their docstrings.
@@ -33,11 +42,14 @@ stages the same way and makes torch's current stream wait for it; see their docs
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
-from xattn_jax.checks import check_int
+from xattn_jax.checks import check_choice, check_int
 from xattn_jax.geometry import cdiv
 
+from xattn_torch_bridge import key_shadow as key_shadow_module
 from xattn_torch_bridge.dlpack import current_stream
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,6 +113,11 @@ class _TableBuffer:
             self.copied.record(current_stream(self.index))
 
 
+def _check_width(width, blocks: int) -> None:
+    if isinstance(width, bool) or not isinstance(width, int) or width < blocks:
+        raise ValueError(f"width must be an int >= the {blocks} blocks, got {width!r}")
+
+
 class PagedKVCache:
     """Paged keys and values of one layer: device pages plus optional CPU-offloaded blocks.
 
@@ -115,11 +132,20 @@ class PagedKVCache:
       num_cpu_blocks: CPU slots for offloaded blocks (0: no offloading).
       staging_slots: device pages for the keys of offloaded blocks during an estimate;
         at most this many offloaded blocks per `stage_keys` or `block_table` call.
+      key_shadow: None, or "fp8": keep an fp8 copy of every live block's keys on the
+        device (module docstring; `shadow_table`). Memory: (num_blocks + num_cpu_blocks)
+        * block_size * Hkv * (D + 4 (D + 1) / group) bytes, group = 16 tokens where it
+        divides block_size, else block_size: a quarter of the bytes of K and V in bf16
+        for the values, plus the scales and offsets (31% in all at D = 128).
+
+    Attributes: `copies`, a `collections.Counter` of the pages copied between the device
+    and the CPU: "offload" (K and V to the CPU), "load" (K and V back), "stage" (keys of
+    offloaded blocks into staging pages).
     """
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.bfloat16, device=None, num_cpu_blocks: int = 0,
-                 staging_slots: int = 2):
+                 staging_slots: int = 2, key_shadow: str | None = None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("kv_heads", kv_heads), ("head_dim", head_dim)):
             check_int(name, value)
@@ -127,6 +153,8 @@ class PagedKVCache:
         check_int("staging_slots", staging_slots, 0)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        if key_shadow is not None:
+            check_choice("key_shadow", key_shadow, key_shadow_module.CHOICES)
         device = _check_device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
@@ -138,16 +166,21 @@ class PagedKVCache:
         pin = device.type == "cuda"
         self.cpu_keys = torch.zeros(num_cpu_blocks, *page, dtype=dtype, pin_memory=pin)
         self.cpu_values = torch.zeros(num_cpu_blocks, *page, dtype=dtype, pin_memory=pin)
+        self.shadow = None if key_shadow is None else key_shadow_module.KeyShadow(
+            num_blocks + num_cpu_blocks, block_size, kv_heads, head_dim, device)
+        self.copies = collections.Counter()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._free = list(range(num_blocks - 1, -1, -1))  # device slots; pop() -> lowest
         self._free_cpu = list(range(num_cpu_blocks - 1, -1, -1))
-        # per block id (ids < _next_id): live, resident, slot (device or CPU), tokens
+        # per block id (ids < _next_id): live, resident, slot (device or CPU), tokens,
+        # shadow page (with a key shadow)
         self._alive = np.zeros(0, bool)
         self._resident = np.zeros(0, bool)
         self._slot = np.zeros(0, np.int64)
         self._tokens = np.zeros(0, np.int64)
+        self._shadow = np.zeros(0, np.int64)
         self._next_id = 0
-        self._tables: dict[int, _TableBuffer] = {}
+        self._tables: dict[tuple[str, int], _TableBuffer] = {}  # by (kind, width)
 
     # --- queries ------------------------------------------------------------------------
 
@@ -174,6 +207,11 @@ class PagedKVCache:
         ids = self._check_ids([block_id], "block_id")
         self._require(ids, True, "block_id")
         return int(self._slot[ids[0]])
+
+    def shadow_page(self, block_id: int) -> int:
+        """The page of `shadow` holding the block's fp8 keys (a cache with a key shadow)."""
+        self._require_shadow()
+        return int(self._shadow[self._check_ids([block_id], "block_id")[0]])
 
     def kv(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's filled keys and values, each `[tokens, Hkv, D]`: views of the device
@@ -229,6 +267,10 @@ class PagedKVCache:
             self.values[slot, filled:filled + take].copy_(v[start:start + take])
             self._tokens[i] = filled + take
             start += take
+        written = ids[first:]
+        if self.shadow is not None and written:  # the pages' fp8 keys, from their keys
+            self.shadow.write(self.keys, self._slot[written].tolist(),
+                              self._tokens[written].tolist(), self._shadow[written].tolist())
         return ids
 
     def free(self, block_ids) -> None:
@@ -236,6 +278,8 @@ class PagedKVCache:
         for i in self._check_ids(block_ids, "block_ids").tolist():
             self._alive[i] = False
             (self._free if self._resident[i] else self._free_cpu).append(int(self._slot[i]))
+            if self.shadow is not None:
+                self.shadow.release(int(self._shadow[i]))
 
     def offload(self, block_ids) -> None:
         """Moves resident blocks to CPU slots, freeing their device slots."""
@@ -252,6 +296,7 @@ class PagedKVCache:
             self.cpu_values[cpu].copy_(self.values[slot])
             self._free.append(slot)
             self._resident[i], self._slot[i] = False, cpu
+        self.copies["offload"] += len(ids)
 
     def load(self, block_ids) -> None:
         """Moves offloaded blocks back to device slots, freeing their CPU slots."""
@@ -266,6 +311,7 @@ class PagedKVCache:
             self.values[slot].copy_(self.cpu_values[cpu])
             self._free_cpu.append(cpu)
             self._resident[i], self._slot[i] = True, slot
+        self.copies["load"] += len(ids)
 
     def sequence_length(self, block_ids) -> int:
         """The tokens held by a sequence's blocks (in order, all full but the last, which
@@ -314,28 +360,55 @@ class PagedKVCache:
         ids = self._check_ids(block_ids, "block_ids")
         tokens = self._check_sequence(ids)
         offloaded = self._check_staging(ids)
-        if isinstance(width, bool) or not isinstance(width, int) or width < len(ids):
-            raise ValueError(f"width must be an int >= the {len(ids)} blocks, got {width!r}")
+        _check_width(width, len(ids))
         pages, event = self._stage(ids, offloaded)
-        table = self._tables.get(width)
+        return self._table("keys", width, pages, tokens, event)
+
+    def shadow_table(self, block_ids, width: int) -> torch.Tensor:
+        """A sequence's block table of its shadow pages: int32 `[width + 1]` on the device.
+
+        As `block_table`, with the pages of `shadow` holding the blocks' fp8 keys (the
+        paged layout of `xattn_jax.fp8.Fp8Keys`), resident and offloaded blocks alike:
+        nothing is staged or copied but the table. The buffer is this width's shadow
+        table, overwritten by the next call of the same width. Needs key_shadow="fp8".
+        """
+        self._require_shadow()
+        ids = self._check_ids(block_ids, "block_ids")
+        tokens = self._check_sequence(ids)
+        _check_width(width, len(ids))
+        return self._table("shadow", width, self._shadow[ids], tokens, None)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _table(self, kind: str, width: int, pages: np.ndarray, tokens: int,
+               event: torch.cuda.Event | None) -> torch.Tensor:
+        """The persistent table buffer of (kind, width), written with pages and tokens;
+        torch's current stream then waits for `event` (staging copies), if any."""
+        table = self._tables.get((kind, width))
         if table is None:
-            table = self._tables[width] = _TableBuffer(width, self.device)
+            table = self._tables[kind, width] = _TableBuffer(width, self.device)
         table.write(pages, tokens)
         if event is not None:
             current_stream(self.device.index).wait_event(event)
         return table.table
 
-    # --- helpers ------------------------------------------------------------------------
+    def _require_shadow(self) -> None:
+        if self.shadow is None:
+            raise ValueError("key_shadow: this cache keeps no key shadow; build it with "
+                             "PagedKVCache(..., key_shadow='fp8')")
 
     def _new_block(self) -> int:
         i, self._next_id = self._next_id, self._next_id + 1
         if i == len(self._alive):  # grow the bookkeeping by doubling
             grow = max(16, i)
-            self._alive, self._resident, self._slot, self._tokens = (
+            self._alive, self._resident, self._slot, self._tokens, self._shadow = (
                 np.concatenate([a, np.zeros(grow, a.dtype)])
-                for a in (self._alive, self._resident, self._slot, self._tokens))
+                for a in (self._alive, self._resident, self._slot, self._tokens,
+                          self._shadow))
         self._alive[i], self._resident[i] = True, True
         self._slot[i], self._tokens[i] = self._free.pop(), 0
+        if self.shadow is not None:
+            self._shadow[i] = self.shadow.take()
         return i
 
     def _check_ids(self, block_ids, name: str) -> np.ndarray:
@@ -414,6 +487,7 @@ class PagedKVCache:
         if not len(offloaded):
             return pages, None
         staging = range(self.num_blocks, self.num_blocks + len(offloaded))
+        self.copies["stage"] += len(offloaded)
         if self._stream is None:
             for j, page in zip(offloaded.tolist(), staging):
                 self.keys[page].copy_(self.cpu_keys[pages[j]])

@@ -31,18 +31,27 @@ One call of `XAttentionPolicy.select_blocks`:
 Nothing else crosses between host and device, and nothing waits for the device but the
 read in step 4.
 
+With a key shadow (`PagedKVCache(..., key_shadow="fp8")`), step 2 writes the table of the
+blocks' shadow pages (`PagedKVCache.shadow_table`) and stages nothing, and step 3 scores
+the shadow's fp8 keys (`_shadow_selection`: `xattn_jax.kv_block_scores` on
+`xattn_jax.fp8.Fp8Keys`, docs/estimate.md "Keys in fp8"): no page of an offloaded block
+is copied before the selection, whatever their number; only the selected ones need
+loading for the attention.
+
 What overlaps. The staging copies overlap the host work of steps 2-3 (the table, the
 dispatch) and whatever torch's current stream was running before the call. The scoring
 cannot start before every staged key is there: the softmax of each query row normalizes
 over all the context's keys, so the estimate is one pass over the whole context and
 waits for the copies (their PCIe time is on the critical path, once). A context may hold
-at most `cache.staging_slots` offloaded pages (more is a ValueError; load some first).
+at most `cache.staging_slots` offloaded pages (more is a ValueError; load some first),
+unless the cache keeps a key shadow.
 
 torch.compile. `XAttentionPolicy.scores` and `XAttentionPolicy.selection` are the
 scoring and the selection as torch custom ops (`torch.ops.xattn.policy_scores`,
 `torch.ops.xattn.policy_selection`, with fake implementations) inside a compiled region:
 a compiled model takes the table from `XAttentionPolicy.block_table` (host work, outside
 the compiled region) and turns the units' bools into ids with `chosen_blocks` outside it.
+These steps read the cache's bf16 keys (offloaded ones staged), not a key shadow.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ import jax
 import numpy as np
 import torch
 import xattn_jax
-from xattn_jax import impls
+from xattn_jax import fp8, impls
 from xattn_jax.checks import (check_choice, check_estimate_block_size, check_flag, check_int,
                               check_norm, check_share)
 from xattn_jax.geometry import cdiv, next_pow2
@@ -139,6 +148,16 @@ def _selection(q, pages, table, scoring: Scoring, choice: Choice):
     return _unit_mask(_unit_scores(q, pages, table, scoring), table, choice)
 
 
+@functools.partial(jax.jit, static_argnames=("scoring", "choice", "group"))
+def _shadow_selection(q, values, scales, offsets, table, scoring: Scoring, choice: Choice,
+                      group: int):
+    """`_selection` on a key shadow (`key_shadow.KeyShadow`): values uint8 `[P, page, Hkv,
+    D]` (float8_e4m3fn bits), scales and offsets float32, in groups of `group` tokens."""
+    keys = fp8.Fp8Keys(jax.lax.bitcast_convert_type(values, fp8.FP8), scales, offsets,
+                       group, paged=True)
+    return _unit_mask(_unit_scores(q, keys, table, scoring), table, choice)
+
+
 class XAttentionPolicy:
     """Chooses the KV-cache pages a prefill chunk attends to.
 
@@ -194,12 +213,20 @@ class XAttentionPolicy:
         form for thousands of small pages).
         Blocks must not change during the call; it returns after the estimate has
         finished (the selection is read to the host), so the staging pages and the block
-        table are free again.
+        table are free again. With a key shadow the estimate reads the blocks' fp8 keys
+        (module docstring): no offloaded page is copied.
         """
-        q, place, layout, table = self._prepare(q, cache, block_ids)
-        units = _selection(*views_for_one_computation(place, q,
-                                                      persistent=(cache.keys, table)),
-                           scoring=layout.scoring, choice=layout.choice)
+        shadow = cache.shadow if isinstance(cache, PagedKVCache) else None
+        q, place, layout, table = self._prepare(q, cache, block_ids, shadow is not None)
+        if shadow is None:
+            units = _selection(*views_for_one_computation(place, q,
+                                                          persistent=(cache.keys, table)),
+                               scoring=layout.scoring, choice=layout.choice)
+        else:
+            units = _shadow_selection(
+                *views_for_one_computation(place, q, persistent=(
+                    shadow.values, shadow.scales, shadow.offsets, table)),
+                scoring=layout.scoring, choice=layout.choice, group=shadow.group)
         return _chosen(read_through_torch(units), layout.per_unit, block_ids)  # the one read
 
     # --- the steps, for torch.compile -----------------------------------------------------
@@ -208,7 +235,7 @@ class XAttentionPolicy:
         """Host work of a selection (checks, staging, the table): the cache's block table
         for the chunk q (`PagedKVCache.block_table`, int32 `[width + 1]`), its width
         covering the context and the chunk, a power of two of whole units."""
-        return self._prepare(q, cache, block_ids)[3]
+        return self._prepare(q, cache, block_ids, False)[3]
 
     def scores(self, q: torch.Tensor, cache: PagedKVCache, table: torch.Tensor) -> torch.Tensor:
         """Each unit's share of the chunk's attention: float32 `[1, Hq, units]` (rule
@@ -264,9 +291,10 @@ class XAttentionPolicy:
                 unit // cache.block_size)
         return layout
 
-    def _prepare(self, q, cache, block_ids):
+    def _prepare(self, q, cache, block_ids, shadow: bool):
         """q as `[1, Hq, Lq, D]` (checked), its Place, the cache's layout and the block
-        table, written (checks and staging: `PagedKVCache.block_table`)."""
+        table, written (checks and staging: `PagedKVCache.block_table`; with `shadow`,
+        the table of the key shadow's pages: `PagedKVCache.shadow_table`)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         q, place = place_of(self._check_q(q, cache), "q", False)
@@ -275,7 +303,8 @@ class XAttentionPolicy:
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
         units = next_pow2(max(cdiv(n, per_unit), cdiv(q.shape[2], unit)))
-        return q, place, layout, cache.block_table(block_ids, units * per_unit)
+        table = cache.shadow_table if shadow else cache.block_table
+        return q, place, layout, table(block_ids, units * per_unit)
 
     @staticmethod
     def _check_q(q, cache: PagedKVCache) -> torch.Tensor:
