@@ -63,7 +63,7 @@ def on_masks(masks: np.ndarray):
     """A transformers attention implementation computing layer i on masks[i]."""
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         del attention_mask, kwargs
-        mask = torch.from_numpy(masks[module.layer_idx])
+        mask = torch.tensor(masks[module.layer_idx])  # a copy: torch's storage is aligned
         out = bridge.block_sparse_attention(query.contiguous(), key.contiguous(),
                                             value.contiguous(), mask, block_size=BLOCK,
                                             causal=True, scale=scaling)
