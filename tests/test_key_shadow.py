@@ -84,8 +84,13 @@ def test_shadow_kept_in_step_through_append_offload_and_load(rand):
                 pass
             if seq:
                 seqs.append(seq)
-        elif live:
-            pick = [int(i) for i in rand.rng.choice(live, min(len(live), 2), replace=False)]
+        else:  # offload picks resident blocks, load offloaded ones, free any
+            fits = {"offload": cache.is_resident, "load": lambda i: not cache.is_resident(i),
+                    "free": lambda i: True}
+            able = [i for i in live if fits[op](i)]
+            if not able:
+                continue
+            pick = [int(i) for i in rand.rng.choice(able, min(len(able), 2), replace=False)]
             before = {i: shadow_of(cache, i) for i in live}
             try:
                 getattr(cache, op)(pick)
@@ -98,6 +103,17 @@ def test_shadow_kept_in_step_through_append_offload_and_load(rand):
                     for a, b in zip(before[i], shadow_of(cache, i)):
                         np.testing.assert_array_equal(a, b, err_msg=f"{op} {rand}")
         assert_shadow_in_step(cache, [i for s in seqs for i in s], str(rand))
+    # A full cache may refuse every random load: end with a round trip that cannot fail.
+    for seq in seqs:
+        cache.free(seq)
+    seq = cache.append([], tokens(rand, 2 * BS), tokens(rand, 2 * BS))
+    before = [shadow_of(cache, i) for i in seq]
+    cache.offload(seq)
+    cache.load(seq[:1])
+    for i, want in zip(seq, before):
+        for a, b in zip(want, shadow_of(cache, i)):
+            np.testing.assert_array_equal(a, b, err_msg=f"round trip {rand}")
+    assert_shadow_in_step(cache, seq, str(rand))
     assert cache.copies["offload"] >= 2 and cache.copies["load"] >= 1, dict(cache.copies)
     assert cache.shadow.free_pages == cache.free_blocks + cache.free_cpu_blocks  # a page each
 
