@@ -16,6 +16,7 @@ import np_attention as npa
 import xattn_jax
 from cases import AttentionCase
 from xattn_jax import impls, mosaic, partitioning
+from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS
 from xattn_jax.reference.attention import block_sparse_attention as reference_attention
 
 F32_TOL = dict(rtol=2e-5, atol=2e-5)  # outputs are averages of N(0, 1) values
@@ -486,7 +487,8 @@ class TestGpu:
     def test_xattention(self, rand):
         q, k, v = qkv(rand, GPU)
         out, mask = xattend(q, k, v, threshold=0.9, return_mask=True, impl="auto")
-        _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.9)
+        _, want_mask = xattn_jax.xattn_estimate(q, k, threshold=0.9, min_blocks=MIN_BLOCKS,
+                                                dense_last=DENSE_LAST)
         np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask))
         want = attend(q, k, v, want_mask, block_size=GPU.block_size, impl="auto")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),

@@ -52,7 +52,8 @@ def expected_shadow(cache: PagedKVCache, block_id: int) -> tuple[np.ndarray, ...
     filled = cache.kv(block_id)[0].cpu()
     page = torch.zeros(BS, HKV, D, dtype=filled.dtype)
     page[:len(filled)] = filled
-    q8 = fp8.quantize_keys(jnp.asarray(page.numpy())[None], group=cache.shadow.group,
+    keys = jnp.asarray(page.float().numpy(), str(page.dtype).removeprefix("torch."))
+    q8 = fp8.quantize_keys(keys[None], group=cache.shadow.group,
                            paged=True, tokens=np.array([len(filled)], np.int32))
     values = np.asarray(q8.values).view(np.uint8)
     return values[0], np.asarray(q8.scales)[0], np.asarray(q8.offsets)[0]
