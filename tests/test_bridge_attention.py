@@ -91,6 +91,13 @@ def test_xattention_matches_xattn_jax(rand):
     assert_same((out, mask), want, rand)
 
 
+def test_xattention_on_sampled_rows_matches_xattn_jax(rand):
+    q, k, v, _ = qkv_mask(rand, shape=LONGER)
+    kwargs = dict(block_size=BLOCK, threshold=0.8, return_mask=True, estimate="sampled-rows")
+    want = xattn_jax.xattention(*(jax_of(t) for t in (q, k, v)), **kwargs)
+    assert_same(bridge.xattention(q, k, v, **kwargs), want, rand)
+
+
 def test_repeated_xattention_calls_skip_the_checks(rand, monkeypatch):
     """xattn_jax.xattention (and its checks) runs once, when the bridge's compiled call is
     traced; later calls, with another float threshold too, reuse that call. A value equal

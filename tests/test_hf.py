@@ -345,7 +345,8 @@ def test_the_real_model(smollm2_model, rand):
 
 # --- calibration -----------------------------------------------------------------------
 
-def test_calibrate_gives_a_table_the_registration_meets(rand):
+@pytest.mark.parametrize("estimate", ["antidiagonal", "sampled-rows"])
+def test_calibrate_gives_a_table_the_registration_meets(rand, estimate):
     """The table has a row per layer and a value per head from the grid; registered with
     the same settings, the forward over the same tokens keeps at most the target's share
     of blocks; a target of 1 keeps every block; the model's attention implementation is
@@ -353,7 +354,8 @@ def test_calibrate_gives_a_table_the_registration_meets(rand):
     model, tokens = tiny_model(), ids(rand)
     model.set_attn_implementation("sdpa")
     # a random model's attention is nearly uniform: a coarse grid reaches low densities
-    settings = dict(block_size=BLOCK, stride=STRIDE, min_blocks=0, dense_last=0)
+    settings = dict(block_size=BLOCK, stride=STRIDE, min_blocks=0, dense_last=0,
+                    estimate=estimate)
     grid = (0.2, 0.5, 0.8, 1.0)
     table = hf.calibrate(model, tokens, target_density=0.65, thresholds=grid, **settings)
     assert model.config._attn_implementation == "sdpa"

@@ -4,7 +4,9 @@ Public API: `xattn_estimate` (the whole estimate), and its stages `strided_score
 `select_blocks`; `kv_block_scores` and `select_kv_blocks` (chunked prefill over a KV
 cache); `block_sparse_attention` (attention on a block mask) and `xattention` (the
 estimate, then that attention); `calibrate` (per-head thresholds for a model, from sample
-text); `xattn_jax.reference` is the plain-JAX source of truth.
+text); `sampled_block_mass` (block scores from the exact attention of sampled query rows,
+which `xattention(estimate="sampled-rows")` selects on); `xattn_jax.reference` is the
+plain-JAX source of truth.
 `checked(fn)` runs `fn` with the values that are data (traced thresholds, key counts,
 block tables) checked too. `quantize_keys` makes `Fp8Keys`, keys in fp8 that the
 estimate's functions take in place of k (`xattn_jax.fp8`). `__version__`: the
@@ -18,6 +20,7 @@ from xattn_jax.checks import checked
 from xattn_jax.fp8 import Fp8Keys, quantize_keys
 from xattn_jax.geometry import Geometry
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
+from xattn_jax.sampled_rows import sampled_block_mass
 
 
 def _version() -> str:
@@ -40,5 +43,5 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = ["Fp8Keys", "Geometry", "block_sparse_attention", "calibrate", "checked",
-           "kv_block_scores", "quantize_keys", "select_blocks", "select_kv_blocks",
-           "strided_scores", "xattention", "xattn_estimate"]
+           "kv_block_scores", "quantize_keys", "sampled_block_mass", "select_blocks",
+           "select_kv_blocks", "strided_scores", "xattention", "xattn_estimate"]

@@ -16,18 +16,18 @@ cache over its KV-head axis 2; `xattn_jax.partitioning`).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from xattn_jax import impls, partitioning
-from xattn_jax.api import xattn_estimate
-from xattn_jax.checks import (cached_keys, check_flag, check_int, check_norm, check_qk,
-                              check_traced, threshold_per_head)
+from xattn_jax.api import _select, xattn_estimate
+from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_int, check_norm,
+                              check_qk, check_scale, check_traced, threshold_per_head)
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.impls import Implementation
+from xattn_jax.sampled_rows import sampled_block_mass
 
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
 
@@ -38,15 +38,6 @@ def _check_block_size(block_size) -> int:
             or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     return int(block_size)
-
-
-def _check_scale(scale) -> float | None:
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
-    return float(scale)
 
 
 def _check_v(v, k, block_table) -> None:
@@ -179,7 +170,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
                                  impl=impl, block_size=geom.block_size,
-                                 causal=causal, scale=_check_scale(scale),
+                                 causal=causal, scale=check_scale(scale),
                                  return_lse=return_lse)
     return run(q, k, v, mask, key_count, table)
 
@@ -188,18 +179,27 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
 THRESHOLD = 0.95
 MIN_BLOCKS = 4
 DENSE_LAST = 1
+# the block scores xattention may select on: XAttention's strided antidiagonal estimate,
+# or the exact attention of sampled query rows (xattn_jax.sampled_rows)
+ESTIMATES = ("antidiagonal", "sampled-rows")
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "estimate_impl", "block_size",
-                                             "stride", "causal", "norm", "min_blocks",
-                                             "dense_last", "scale", "return_mask"))
+@functools.partial(jax.jit, static_argnames=("impl", "estimate_impl", "estimate",
+                                             "block_size", "stride", "causal", "norm",
+                                             "min_blocks", "dense_last", "scale",
+                                             "return_mask"))
 def _xattention(q, k, v, threshold, *, impl: Implementation, estimate_impl: Implementation,
-                block_size: int, stride: int, causal: bool, norm: float, min_blocks: int,
-                dense_last: int, scale: float | None, return_mask: bool):
-    _, mask = xattn_estimate(q, k, block_size=block_size, stride=stride,
-                             threshold=threshold, causal=causal, norm=norm,
-                             min_blocks=min_blocks, dense_last=dense_last,
-                             impl=estimate_impl)
+                estimate: str, block_size: int, stride: int, causal: bool, norm: float,
+                min_blocks: int, dense_last: int, scale: float | None, return_mask: bool):
+    if estimate == "antidiagonal":
+        _, mask = xattn_estimate(q, k, block_size=block_size, stride=stride,
+                                 threshold=threshold, causal=causal, norm=norm,
+                                 min_blocks=min_blocks, dense_last=dense_last,
+                                 impl=estimate_impl)
+    else:
+        sums = sampled_block_mass(q, k, block_size=block_size, causal=causal, scale=scale)
+        mask = _select(sums, threshold, causal=causal, keep_sink=False, keep_recent=False,
+                       min_blocks=min_blocks, dense_last=dense_last, impl=estimate_impl)
     out = impl.block_sparse_attention(q, k, v, mask, block_size=block_size, causal=causal,
                                       scale=scale, return_lse=False)
     return (out, mask) if return_mask else out
@@ -208,7 +208,8 @@ def _xattention(q, k, v, threshold, *, impl: Implementation, estimate_impl: Impl
 def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
                block_size: int = 128, stride: int = 8, causal: bool = True,
                norm: float = 1.0, min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
-               scale: float | None = None, return_mask: bool = False, impl: str = "auto"):
+               scale: float | None = None, return_mask: bool = False, impl: str = "auto",
+               estimate: str = "antidiagonal"):
     """XAttention (docs/estimate.md sections 1-4, then 6): the estimate's block mask, then
     attention over it, as one jitted call.
 
@@ -228,14 +229,22 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
       return_mask: also return the mask (True or False).
       impl: the attention's implementation, as in `block_sparse_attention`. The estimate
         runs its "reference" for impl="reference" or inputs off a GPU, else its "auto".
+      estimate: the block scores the threshold rule selects on (one of ESTIMATES):
+        "antidiagonal", XAttention's estimate (`xattn_estimate`, with stride and norm);
+        "sampled-rows", the exact attention mass of 16 sampled rows per query block
+        (`xattn_jax.sampled_rows`, with scale; stride and norm unused), closer to the
+        exact block mass on a real model (docs/tuning.md: sampled-rows) and plain JAX
+        (no Pallas kernel yet).
 
     Returns:
       out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, mask)` with mask bool
-      `[B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]`, exactly `xattn_estimate`'s.
+      `[B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]`: with the antidiagonal estimate
+      exactly `xattn_estimate`'s.
     """
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     _check_v(v, k, None)
     return_mask = check_flag("return_mask", return_mask)
+    estimate = check_choice("estimate", estimate, ESTIMATES)
     t = threshold_per_head(threshold, geom.q_heads)
     attention_impl = impls.resolve(impl, q, op=impls.ATTENTION,
                                    attention_args=(q.shape[-1], v.shape[-1], q.dtype,
@@ -243,9 +252,10 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
     estimate_impl = impls.resolve("reference" if impl == "reference" else "auto", q)
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,
-        estimate_impl=estimate_impl, block_size=geom.block_size, stride=geom.stride,
+        estimate_impl=estimate_impl, estimate=estimate, block_size=geom.block_size,
+        stride=geom.stride,
         causal=check_flag("causal", causal), norm=check_norm(norm),
         min_blocks=check_int("min_blocks", min_blocks, 0),
-        dense_last=check_int("dense_last", dense_last, 0), scale=_check_scale(scale),
+        dense_last=check_int("dense_last", dense_last, 0), scale=check_scale(scale),
         return_mask=return_mask)
     return run(q, k, v, t)

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from xattn_jax.api import select_blocks, xattn_estimate
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, block_sparse_attention
-from xattn_jax.checks import check_positive_float
+from xattn_jax.attention import DENSE_LAST, ESTIMATES, MIN_BLOCKS, block_sparse_attention
+from xattn_jax.checks import check_choice, check_positive_float
 from xattn_jax.reference.estimate import forced_and_allowed
+from xattn_jax.sampled_rows import sampled_block_mass
 
 # the threshold grid a calibration chooses from; 1.0 is dense (docs/tuning.md: calibration)
 THRESHOLDS = (0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
@@ -34,14 +35,17 @@ _BISECTION_STEPS = 100  # on the Lagrange multiplier: far below one head's densi
 def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOLDS,
                 block_size: int = 128, stride: int = 8, norm: float = 1.0,
                 min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
-                scale: float | None = None, impl: str = "auto"):
+                scale: float | None = None, impl: str = "auto",
+                estimate: str = "antidiagonal", block_scores: jax.Array | None = None):
     """One layer's curves: float32 numpy `(density, error)`, each `[len(thresholds), Hq]`.
 
     q `[B, Hq, L, D]`, k and v `[B, Hkv, L, D]` (causal, the queries are the last L keys),
     from a dense forward over sample text. For each threshold t and query head: density,
     the share of causally visible blocks `xattention` with t (and these settings) computes;
     error, its output's distance from dense attention's, ||out - dense|| / ||dense|| over
-    every row of the head.
+    every row of the head. estimate: the block scores selected on, as in `xattention`;
+    block_scores: float32 `[B, Hq, qb, kb]` to select on instead (the exact block mass,
+    say, to see what the estimate costs).
     """
     options = dict(block_size=block_size, causal=True, scale=scale, impl=impl)
     qb, kb = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
@@ -49,8 +53,13 @@ def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOL
     dense = block_sparse_attention(q, k, v, jnp.broadcast_to(allowed, (*q.shape[:2], qb, kb)),
                                    **options).astype(jnp.float32)
     dense_norm = jnp.sqrt(jnp.sum(jnp.square(dense), axis=(0, 2, 3)))
-    sums, _ = xattn_estimate(q, k, block_size=block_size, stride=stride, norm=norm,
-                             causal=True)
+    if block_scores is not None:
+        sums = block_scores
+    elif check_choice("estimate", estimate, ESTIMATES) == "sampled-rows":
+        sums = sampled_block_mass(q, k, block_size=block_size, causal=True, scale=scale)
+    else:
+        sums, _ = xattn_estimate(q, k, block_size=block_size, stride=stride, norm=norm,
+                                 causal=True)
     density, error = [], []
     for t in thresholds:
         mask = select_blocks(sums, float(t), causal=True, min_blocks=min_blocks,
@@ -99,8 +108,8 @@ def calibrate(layers: Iterable, *, target_density: float = 0.3, thresholds=THRES
 
     layers: one `(q, k, v)` per layer (`head_curves`' shapes) from a dense forward over
     sample text (a few thousand tokens of the kind the model will read). settings: those
-    of `head_curves` (block_size, stride, norm, min_blocks, dense_last, scale, impl),
-    which the table is then for: pass the same ones to `xattention`.
+    of `head_curves` (block_size, stride, norm, min_blocks, dense_last, scale, impl,
+    estimate), which the table is then for: pass the same ones to `xattention`.
 
     Returns float32 `[layers, Hq]`. Raises ValueError for a target outside (0, 1].
     """

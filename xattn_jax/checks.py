@@ -181,6 +181,15 @@ def check_norm(norm) -> float:
     return check_positive_float("norm", norm)
 
 
+def check_scale(scale) -> float | None:
+    """The softmax's q.k multiplier: None (1 / sqrt(D)) or a finite number > 0."""
+    if scale is None:
+        return None
+    if not _is_real(scale) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+    return float(scale)
+
+
 def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
     """`value`, one of the strings `choices`."""
     if not isinstance(value, str):
