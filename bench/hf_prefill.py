@@ -10,11 +10,13 @@ CUDA, batch 1, on the first `--length` (8192) tokens of the text "licenses"
 (`bench.texts`). Rows (impl):
 - `sdpa`: transformers' sdpa attention (dense, causal);
 - `xattention`: `xattn_torch_bridge.hf.register("xattention")` with xattention's
-  defaults (block 64 in the smoke run), recorded in `settings`.
+  defaults (block 64 in the smoke run), recorded in `settings`;
+- `xattention-sampled-rows`: the same on the sampled-rows estimate
+  (`estimate="sampled-rows"`).
 ms: the median over `--reps` rounds (after `--warmup`; each round one forward of each
 row, in turn) of one forward's time, `model(ids, logits_to_keep=1)` (a prefill: the last
-position's logits), by CUDA events around it (the wall time on the CPU). The xattention
-row also has, from one more untimed forward of each row with every position's logits:
+position's logits), by CUDA events around it (the wall time on the CPU). The bridged
+rows also have, from one more untimed forward of each row with every position's logits:
 `density` (`last_density()`: the share of the causally visible blocks computed, over
 layers and heads); `bridged_calls` and `fallbacks` of that forward (every layer should go
 through the bridge); and against sdpa's logits over the second half's positions, `top1`
@@ -41,8 +43,11 @@ from bench.common import commit, gpu_name, log, today, versions, write_outputs  
 
 TEXT = "licenses"
 NAME = "xattention"  # the registered attention implementation
+# registered implementations and the xattention options each adds to the run's
+REGISTERED = {NAME: {}, f"{NAME}-sampled-rows": {"estimate": "sampled-rows"}}
 # xattention's arguments that a registration may set, recorded with each run
-SETTINGS = ("threshold", "block_size", "stride", "norm", "min_blocks", "dense_last")
+SETTINGS = ("threshold", "block_size", "stride", "norm", "min_blocks", "dense_last",
+            "estimate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +116,14 @@ def agreement(dense: torch.Tensor, got: torch.Tensor) -> dict:
 
 
 def measure(run: Run) -> list[dict]:
-    """The two rows: times of alternating forwards, then the xattention row's density,
-    bridge counts and agreement with sdpa from one full-logits forward of each."""
+    """One row per implementation: times of alternating forwards, then each bridged row's
+    density, bridge counts and agreement with sdpa from one full-logits forward."""
     from xattn_torch_bridge import hf
 
     model, ids = load(run)
-    options = dict(run.options)
-    handle = hf.register(NAME, **options)
-    impls = ("sdpa", NAME)
+    options = {name: dict(run.options) | extra for name, extra in REGISTERED.items()}
+    handles = {name: hf.register(name, **opts) for name, opts in options.items()}
+    impls = ("sdpa", *REGISTERED)
     for _ in range(run.warmup):
         for impl in impls:
             prefill_ms(model, ids, impl)
@@ -129,18 +134,22 @@ def measure(run: Run) -> list[dict]:
         log(f"round {r + 1}/{run.reps}: " + ", ".join(f"{i} {t[-1]:.2f} ms"
                                                      for i, t in times.items()))
     dense = forward(model, ids, "sdpa")
-    handle.reset()
-    got = forward(model, ids, NAME)
-    bridged = {"density": handle.last_density(), "bridged_calls": handle.bridged_calls,
-               "fallbacks": handle.fallbacks, "fallback_counts": handle.fallback_counts,
-               "layers": model.config.num_hidden_layers, "settings": settings(options)}
+    bridged = {}
+    for name, handle in handles.items():
+        handle.reset()
+        got = forward(model, ids, name)
+        bridged[name] = {"density": handle.last_density(),
+                         "bridged_calls": handle.bridged_calls,
+                         "fallbacks": handle.fallbacks,
+                         "fallback_counts": handle.fallback_counts,
+                         "layers": model.config.num_hidden_layers,
+                         "settings": settings(options[name])} | agreement(dense, got)
     meta = {"gpu": gpu_name(), "text": TEXT, "length": run.length,
             "dtype": str(run.dtype).removeprefix("torch."), "reps": run.reps,
             "date": today(), "versions": versions(), "commit": commit()}
     case = f"smollm2-135m-prefill-{run.length}"
     return [{"case": case, "impl": impl, "ms": round(statistics.median(times[impl]), 4)}
-            | (bridged | agreement(dense, got) if impl == NAME else {}) | meta
-            for impl in impls]
+            | bridged.get(impl, {}) | meta for impl in impls]
 
 
 def markdown(rows: list[dict], command: str) -> str:

@@ -16,12 +16,15 @@ over the second half of the text (each position predicting the next token):
 
 Settings (`SETTINGS`, or `--settings a,b`): "dense"; the estimate's rule at a threshold
 and stride; `xattention`'s defaults (`xattn_jax.attention`: threshold, min_blocks,
-dense_last); "estimate-fp8", the estimate on the keys in fp8 (`xattn_jax.fp8.quantize_keys`,
+dense_last), on the antidiagonal estimate and on sampled rows ("sampled-rows",
+`xattn_jax.sampled_block_mass`); "estimate-fp8", the estimate on the keys in fp8 (`xattn_jax.fp8.quantize_keys`,
 what an offloaded cache's key shadow holds); "oracle" rows, which apply the same selection
 rule to the exact block mass of the true attention (what no estimate can beat: the loss the
 rule itself causes); and with `--calibrate-on TEXT`, per-head tables from
 `xattn_jax.calibrate` on the other text's dense forward at each `--targets` density (so
-that nothing is tuned to the text scored). `--fp8-agreement` also reports, per layer on
+that nothing is tuned to the text scored), for each of `--calibrate-rules` (the
+antidiagonal estimate, sampled rows, and the oracle: the same allocation on the exact
+block mass, the best any estimate's table can do). `--fp8-agreement` also reports, per layer on
 the dense model's activations, the share of the causally allowed block pairs on which the
 estimate on fp8 keys selects as the estimate on the bf16 keys.
 
@@ -46,6 +49,7 @@ import numpy as np
 import xattn_jax
 from bench import llama, smollm2, texts
 from xattn_jax import fp8
+from xattn_jax.calibrate import allocate, head_curves
 from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
 from bench.common import commit, gpu_name, log, today, versions, write_outputs
 
@@ -59,8 +63,9 @@ class Setting:
     """One way to run the prefill's attention.
 
     rule: "dense", "estimate" (xattn_estimate's block sums), "estimate-fp8" (the same on
-    the keys in fp8, `xattn_jax.fp8.quantize_keys`) or "oracle" (the exact block
-    mass of the true attention), selected by xattn_jax's threshold rule, on blocks of
+    the keys in fp8, `xattn_jax.fp8.quantize_keys`), "sampled-rows" (the exact mass of
+    16 sampled query rows per block, `xattn_jax.sampled_block_mass`) or "oracle" (the
+    exact block mass of the true attention), selected by xattn_jax's threshold rule, on blocks of
     `block_size` tokens (the estimate with `stride` and `norm`). Levers, passed as data
     (no recompilation): threshold, a float or a `[layers, Hq]` table; dense_last, the
     last query blocks keep every block they may see; min_blocks, each row keeps at least
@@ -100,13 +105,17 @@ def grid(rule: str, thresholds, **kw) -> list[Setting]:
 
 DEFAULTS = Setting("xattention defaults", threshold=THRESHOLD, min_blocks=MIN_BLOCKS,
                    dense_last=DENSE_LAST)
-SETTINGS = ([Setting("dense", "dense"), DEFAULTS]
+SAMPLED_DEFAULTS = dataclasses.replace(DEFAULTS, name="sampled-rows defaults",
+                                       rule="sampled-rows")
+SETTINGS = ([Setting("dense", "dense"), DEFAULTS, SAMPLED_DEFAULTS]
             + grid("estimate", (0.8, 0.9, 0.95, 0.97, 0.99))
+            + grid("sampled-rows", (0.9, 0.95, 0.97))
             + grid("estimate", (0.9, 0.95), stride=16)
             + grid("estimate-fp8", (0.9, 0.95))
             + grid("oracle", (0.8, 0.9, 0.95, 0.97, 0.99)))
 SMOKE = [Setting("dense", "dense"), dataclasses.replace(DEFAULTS, block_size=64),
          Setting("estimate 0.9", block_size=64, stride=8),
+         Setting("sampled-rows 0.9", "sampled-rows", block_size=64),
          Setting("oracle 0.9", "oracle", block_size=64)]
 
 
@@ -147,8 +156,9 @@ def apply_levers(mask, sums, levers: dict) -> jax.Array:
 def select(q, k, levers: dict, kernel: tuple, scale: float):
     """The mask `[B, Hq, qb, kb]` of a (rule, stride, block_size, norm) and its levers."""
     rule, stride, bs, norm = kernel
-    if rule == "oracle":
-        sums = exact_block_mass(q, k, bs, scale)
+    if rule in ("oracle", "sampled-rows"):
+        sums = exact_block_mass(q, k, bs, scale) if rule == "oracle" else \
+            xattn_jax.sampled_block_mass(q, k, block_size=bs, scale=scale)
         mask = xattn_jax.select_blocks(sums, levers["threshold"], causal=True)
     else:
         keys = fp8.quantize_keys(k) if rule == "estimate-fp8" else k
@@ -255,16 +265,27 @@ def layer_qkv(model: Model, tokens) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def calibrated(model: Model, tokens, text: str, target: float, base: Setting) -> Setting:
-    """`base` with the per-head table `xattn_jax.calibrate` gives on tokens (of `text`)
-    for a mean density of `target`, at base's block size, stride, norm and widening."""
+    """`base` with the per-head table for a mean density of `target`, calibrated on tokens
+    (of `text`) at base's rule, block size, stride, norm and widening: `xattn_jax.calibrate`
+    for the estimates, and for the oracle the same allocation over the exact block mass's
+    curves (`xattn_jax.calibrate.head_curves` with block_scores)."""
     q, k, v = layer_qkv(model, tokens)
-    table = xattn_jax.calibrate(zip(q, k, v), target_density=target, scale=model.cfg.scale,
-                                block_size=base.block_size, stride=base.stride,
-                                norm=base.norm, min_blocks=base.min_blocks,
-                                dense_last=base.dense_last)
-    log(f"calibrated on {text} for density {target}: thresholds "
+    options = dict(scale=model.cfg.scale, block_size=base.block_size, stride=base.stride,
+                   norm=base.norm, min_blocks=base.min_blocks, dense_last=base.dense_last)
+    if base.rule == "oracle":
+        curves = [head_curves(
+            *qkv, block_scores=exact_block_mass(qkv[0], qkv[1], base.block_size,
+                                                model.cfg.scale), **options)
+            for qkv in zip(q, k, v)]
+        density, error = (np.stack(c) for c in zip(*curves))
+        table = allocate(density, error, target_density=target)
+    else:
+        estimate = "sampled-rows" if base.rule == "sampled-rows" else "antidiagonal"
+        table = xattn_jax.calibrate(zip(q, k, v), target_density=target, estimate=estimate,
+                                    **options)
+    log(f"calibrated {base.rule} on {text} for density {target}: thresholds "
         f"{dict(zip(*np.unique(table, return_counts=True)))}")
-    return dataclasses.replace(base, name=f"calibrated {target} on {text}",
+    return dataclasses.replace(base, name=f"calibrated {base.rule} {target} on {text}",
                                threshold=tuple(map(tuple, table.tolist())))
 
 
@@ -450,6 +471,9 @@ def main(argv=None) -> None:
     parser.add_argument("--settings", help="comma-separated names from SETTINGS")
     parser.add_argument("--calibrate-on", choices=sorted(texts.TEXTS),
                         help="add per-head tables calibrated on this text's dense forward")
+    parser.add_argument("--calibrate-rules", default="estimate",
+                        help="comma-separated rules to calibrate: estimate, sampled-rows, "
+                             "oracle")
     parser.add_argument("--targets", default="0.3,0.35",
                         help="comma-separated mean densities to calibrate for")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: 512 tokens")
@@ -472,8 +496,10 @@ def main(argv=None) -> None:
     if args.calibrate_on:
         sample = texts.text_tokens(model.tokenizer, args.calibrate_on, length)
         base = SMOKE[1] if args.smoke else DEFAULTS
-        settings = settings + [calibrated(model, sample, args.calibrate_on, float(t), base)
-                               for t in args.targets.split(",")]
+        settings = settings + [
+            calibrated(model, sample, args.calibrate_on, float(t),
+                       dataclasses.replace(base, rule=rule))
+            for rule in args.calibrate_rules.split(",") for t in args.targets.split(",")]
     records = run(model, settings, tokens, (256 if args.smoke else args.passkey_length)
                   if args.passkey else None, args.text)
     meta = {"gpu": gpu_name(), "date": today(), "versions": versions(),
