@@ -350,8 +350,8 @@ INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.skipif(mosaic_interpret.unsupported_reason() is not None,
-                    reason=str(mosaic_interpret.unsupported_reason()))
+@pytest.mark.skipif(mosaic_interpret.attention_unsupported_reason() is not None,
+                    reason=str(mosaic_interpret.attention_unsupported_reason()))
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on CPU")
 @pytest.mark.parametrize("case", INTERPRET_CASES)
 def test_kernel_in_gpu_interpret_mode(rand, case):
