@@ -234,7 +234,9 @@ def chunk_flops(sc: Scenario, chunk: int, kept: int, way: str) -> float:
 def prompt_rows(length: int, sc: Scenario, device: str, rate: float,
                 tflops: float | None) -> list[dict]:
     setup = build(length, sc, device)
-    policy = xb.XAttentionPolicy(sc.threshold, sc.stride, sc.estimate_block)
+    # one block-table width for the whole prompt: the selection compiles once per way
+    policy = xb.XAttentionPolicy(sc.threshold, sc.stride, sc.estimate_block,
+                                 max_context=length)
     copier = Copier(setup)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     flop_rate = (tflops or MATMUL_FLOPS / 1e12) * 1e12

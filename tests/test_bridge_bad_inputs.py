@@ -148,6 +148,7 @@ POLICY_BAD = {
     "per_kv_head": [1],
     "norm": [0.0, "1", None],
     "impl": ["cuda", None, 0],
+    "max_context": [0, -64, 64.0, "4096", True],
 }
 POLICY_CASES = [(a, v) for a, values in POLICY_BAD.items() for v in values]
 
@@ -187,6 +188,11 @@ def cache_and_ids():
     ("block_ids", lambda p, c, ids: p.select_blocks(torch.zeros(4, 32, D), c, ids[::-1])),
     ("selection_unit", lambda p, c, ids: XAttentionPolicy(
         0.9, 8, 32, selection_unit=96).select_blocks(torch.zeros(4, 32, D), c, ids)),
+    ("max_context", lambda p, c, ids: XAttentionPolicy(  # 3 blocks of 64 in 128 tokens
+        0.9, 8, 32, max_context=2 * BS).select_blocks(torch.zeros(4, 32, D), c, ids)),
+    ("max_context", lambda p, c, ids: XAttentionPolicy(  # a chunk longer than it
+        0.9, 8, 32, max_context=3 * BS).select_blocks(torch.zeros(4, 3 * BS + 1, D), c,
+                                                      ids)),
 ])
 def test_policy_select_blocks_refuses_and_keeps_the_cache(cache_and_ids, argument, call):
     cache, ids = cache_and_ids

@@ -221,6 +221,27 @@ def test_one_computation_one_read_no_upload(rand, monkeypatch):
     assert len(reads) == 2 and policy_module._selection._cache_size() == compiled
 
 
+def test_max_context_compiles_once_and_selects_alike(rand, monkeypatch):
+    """With max_context every table has its width: contexts of 1 to 6 blocks (powers of
+    two 1 to 8 without it) compile the selection once, and select what the policy
+    without it selects."""
+    cache, ids, q = make_cache(rand, PAGED.k_len)  # 6 blocks
+    seen = spy_selection(monkeypatch)
+    fixed = XAttentionPolicy(0.7, STRIDE, EBS, max_context=8 * BS)
+    grown = XAttentionPolicy(0.7, STRIDE, EBS)
+    for n in range(1, len(ids) + 1):
+        assert fixed.select_blocks(q, cache, ids[:n]) == grown.select_blocks(q, cache,
+                                                                              ids[:n])
+    widths = [table.shape[0] - 1 for _, _, table in seen]
+    assert widths[0::2] == [8] * len(ids)  # fixed: 8 blocks (units of one block)
+    assert widths[1::2] == [1, 2, 4, 4, 8, 8]
+    monkeypatch.undo()
+    policy_module._selection.clear_cache()
+    for n in range(1, len(ids) + 1):
+        fixed.select_blocks(q, cache, ids[:n])
+    assert policy_module._selection._cache_size() == 1
+
+
 def test_refusals_leave_the_cache_unchanged(rand):
     cache, ids, q = make_cache(rand, 3 * BS + 5)  # blocks 0-3
     cache.free(cache.allocate(1))  # 4

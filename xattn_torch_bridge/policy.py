@@ -22,7 +22,8 @@ One call of `XAttentionPolicy.select_blocks`:
    copies;
 3. one jitted JAX computation (`_selection`): `xattn_jax.kv_block_scores` on the pages
    through the table, `xattn_jax.select_kv_blocks`, and the union over heads to one bool
-   per unit, compiled once per power of two of units (and per chunk shape): the token
+   per unit, compiled once per power of two of units (and per chunk shape), or once per
+   chunk shape with `max_context` (the table then always has its width): the token
    count is data, read from the table on the device. Its inputs: q's view, ordered after
    torch's current stream (`dlpack.views_for_one_computation`), and the unordered views
    of the cache's pages and table buffer, made once (`dlpack.persistent_view`);
@@ -175,12 +176,18 @@ class XAttentionPolicy:
       per_kv_head: select per KV head and return the union (a page is loaded whole).
       norm, impl: as in `xattn_jax.kv_block_scores` (impl resolved for the device the
         cache lives on: `xattn_jax.impls`).
+      max_context: None, or the most tokens a call's context (its pages, page_size
+        tokens each) or chunk holds: every block table is then that wide, so the
+        selection compiles once per chunk shape for every context up to it (the kernels
+        skip the padding: the token count is data). None: the table covers a power of two
+        of units, one compilation per power of two. A longer call is a ValueError.
     """
 
     def __init__(self, threshold: float = 0.95, stride: int = 8,
                  estimate_block_size: int = 1024, *, selection_unit: int | None = None,
                  rule: str = "score", keep_first: bool = True, keep_last: bool = True,
-                 per_kv_head: bool = False, norm: float = 1.0, impl: str = "auto"):
+                 per_kv_head: bool = False, norm: float = 1.0, impl: str = "auto",
+                 max_context: int | None = None):
         self.threshold = check_share("threshold", threshold)
         self.estimate_block_size = check_estimate_block_size(estimate_block_size, stride)
         self.stride = int(stride)
@@ -195,6 +202,8 @@ class XAttentionPolicy:
         self.keep_last = check_flag("keep_last", keep_last)
         self.per_kv_head = check_flag("per_kv_head", per_kv_head)
         self.norm, self.impl = check_norm(norm), check_choice("impl", impl, impls.IMPLS)
+        self.max_context = None if max_context is None else check_int("max_context",
+                                                                      max_context)
         self._layouts: dict[tuple, _Layout] = {}
 
     # --- the whole call -------------------------------------------------------------------
@@ -302,7 +311,16 @@ class XAttentionPolicy:
         per_unit, unit = layout.per_unit, layout.scoring.unit
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
-        units = next_pow2(max(cdiv(n, per_unit), cdiv(q.shape[2], unit)))
+        units = max(cdiv(n, per_unit), cdiv(q.shape[2], unit))
+        if self.max_context is None:
+            units = next_pow2(units)
+        elif max(n * cache.block_size, q.shape[2]) > self.max_context:
+            raise ValueError(
+                f"the context ({n} blocks of {cache.block_size} tokens) and the chunk "
+                f"({q.shape[2]} queries) must each hold at most max_context "
+                f"({self.max_context}) tokens")
+        else:
+            units = cdiv(self.max_context, unit)
         table = cache.shadow_table if shadow else cache.block_table
         return q, place, layout, table(block_ids, units * per_unit)
 
