@@ -10,7 +10,9 @@ On the demo's structured data (`bench.attention.structured_qkv`: causal, Lq = Lk
 - ms, and speed-up: dense bf16 attention's time (cuDNN on a GPU, XLA elsewhere) over
   xattention's (estimate included).
 Dense bf16 attention's own error is reported too: the part of the error bf16 alone makes.
-Writes a markdown report and a PNG plot.
+Prints a markdown report, the quality section of bench/results/attention_h200.md (put it
+there in place of the old one), and writes it to `--md PATH` where given; writes a PNG
+plot (by default bench/results/attention_quality_h200.png, the section's figure).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from xattn_jax import block_sparse_attention, xattention
 THRESHOLDS = (0.8, 0.85, 0.9, 0.95, 0.99)
 STRIDES = (8, 16)
 REPS = 10
-DEFAULT_MD = "bench/results/attention_quality_h200.md"
 DEFAULT_PNG = "bench/results/attention_quality_h200.png"
 
 
@@ -82,7 +83,7 @@ def sweep(sz: Sizes, impl: str) -> tuple[list[dict], dict]:
 
 def report(rows: list[dict], dense: dict, sz: Sizes, impl: str, png: str) -> str:
     lines = [
-        "# XAttention quality: error, density and speed-up over thresholds and strides",
+        "## XAttention quality: error, density and speed-up over thresholds and strides",
         "",
         f"Written by `python -m bench.attention --quality` on {gpu_name()}, {today()}; "
         f"{versions()}.",
@@ -135,11 +136,15 @@ def plot(rows: list[dict], dense: dict, path: str) -> None:
 
 
 def run(sz: Sizes, impl: str, *, smoke: bool, md: str | None, png: str | None) -> None:
-    md = md or ("/tmp/attention_quality_smoke.md" if smoke else DEFAULT_MD)
+    """The sweep; its plot to `png`, its report on stdout and, where given, to `md` (the
+    report is a section of bench/results/attention_h200.md, so no record file is
+    rewritten by default)."""
     png = png or ("/tmp/attention_quality_smoke.png" if smoke else DEFAULT_PNG)
     rows, dense = sweep(sz, impl)
     plot(rows, dense, png)
-    with open(md, "w") as f:
-        f.write(report(rows, dense, sz, impl, png))
-    log(f"wrote {md} and {png}")
-    print(open(md).read())
+    text = report(rows, dense, sz, impl, png)
+    if md:
+        with open(md, "w") as f:
+            f.write(text)
+    log(f"wrote {png}" + (f" and {md}" if md else ""))
+    print(text)

@@ -18,7 +18,8 @@ Rows:
   a synchronize of torch's current stream for the bridge).
 The overhead rows are the bridged minus the plain medians.
 
-stdout holds one markdown table (paste it into bench/results/); progress goes to stderr.
+stdout holds one markdown table (its record: the hand-off section of
+bench/results/torch_path_h200.md); progress goes to stderr.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV 
 (default "auto"; rows name them as `bench.estimate` does).
 `--small` shrinks every size (contexts by 8) for a CPU smoke run; there the default
 implementation is the reference and the floors mean nothing.
+The H200's records of these rows are kept in bench/results/estimate_h200.json, after
+`bench.estimate`'s (`--json` replaces a file: write a new run elsewhere and put its rows
+in that list in place of the old ones).
 """
 
 from __future__ import annotations

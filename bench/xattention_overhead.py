@@ -1,7 +1,7 @@
 """One attention layer's call: bridged XAttention and the transformers layer call against
 plain JAX, in one run.
 
-    python -m bench.xattention_overhead --json bench/results/xattention_overhead_h200.json
+    python -m bench.xattention_overhead --json PATH
     python -m bench.xattention_overhead --smoke      # tiny sizes on the CPU: checks it runs
 
 SmolLM2-135M's attention shapes (B 1, Hq 9 reading Hkv 3, D 64, bf16), causal, threshold
@@ -26,6 +26,9 @@ within TARGET_MS of `plain`'s `ms`.
 `--smoke` checks that every row runs; its figures say nothing of the target: on the CPU
 the reference computes, and the bridged rows' host time includes the computation
 (`to_torch` waits for JAX's result on the CPU).
+
+The H200's record is a section of bench/results/torch_path_h200.md, beside the other
+torch-path records.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The benchmark plots from records (CPU only: no kernel runs)."""
 
+import pathlib
+
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -56,3 +58,14 @@ def test_records_of_several_files_plot_together(tmp_path):
     assert "2026-11-30, 2026-12-03" in title
     with pytest.raises(SystemExit):
         records_and_output([str(first)], "usage")
+
+
+def test_the_estimate_record_plots_its_chunk_rows_in_one_file(tmp_path):
+    """bench/results/estimate_h200.json holds `bench.estimate`'s and `bench.chunked`'s
+    records: one bar a case and an implementation, the chunk cases among them."""
+    from bench.plotting import records_and_output
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench/results/estimate_h200.json"
+    records, _, _ = records_and_output([str(path), str(tmp_path / "out.png")], "usage")
+    cases = [t.get_text() for t in side_by_side_figure(records).axes[0].get_xticklabels()]
+    assert "causal-32k" in cases and "chunk4096-ctx64k" in cases
