@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from bench.plot_side_by_side import side_by_side_figure  # noqa: E402
+from bench.plotting import records_and_output  # noqa: E402
 
 
 def _record(case, impl, ms, floor_ms, same_run=None):
@@ -45,8 +46,6 @@ def test_side_by_side_refuses_two_records_of_one_bar():
 def test_records_of_several_files_plot_together(tmp_path):
     import json
 
-    from bench.plotting import records_and_output
-
     first, second = tmp_path / "estimate.json", tmp_path / "chunked.json"
     first.write_text(json.dumps([_record("causal-32k", "original", 4.0, 0.5)]))
     chunk = _record("chunk4096-ctx64k", "original", 17.5, 0.4)
@@ -63,8 +62,6 @@ def test_records_of_several_files_plot_together(tmp_path):
 def test_the_estimate_record_plots_its_chunk_rows_in_one_file(tmp_path):
     """bench/results/estimate_h200.json holds `bench.estimate`'s and `bench.chunked`'s
     records: one bar a case and an implementation, the chunk cases among them."""
-    from bench.plotting import records_and_output
-
     path = pathlib.Path(__file__).resolve().parent.parent / "bench/results/estimate_h200.json"
     records, _, _ = records_and_output([str(path), str(tmp_path / "out.png")], "usage")
     cases = [t.get_text() for t in side_by_side_figure(records).axes[0].get_xticklabels()]

@@ -311,15 +311,14 @@ class XAttentionPolicy:
         per_unit, unit = layout.per_unit, layout.scoring.unit
         n = len(block_ids) if isinstance(block_ids, (list, tuple, range, np.ndarray)) else 0
         # the table covers the context and the chunk (JAX requires Lq <= its capacity)
-        units = max(cdiv(n, per_unit), cdiv(q.shape[2], unit))
         if self.max_context is None:
-            units = next_pow2(units)
-        elif max(n * cache.block_size, q.shape[2]) > self.max_context:
-            raise ValueError(
-                f"the context ({n} blocks of {cache.block_size} tokens) and the chunk "
-                f"({q.shape[2]} queries) must each hold at most max_context "
-                f"({self.max_context}) tokens")
+            units = next_pow2(max(cdiv(n, per_unit), cdiv(q.shape[2], unit)))
         else:
+            if max(n * cache.block_size, q.shape[2]) > self.max_context:
+                raise ValueError(
+                    f"the context ({n} blocks of {cache.block_size} tokens) and the chunk "
+                    f"({q.shape[2]} queries) must each hold at most max_context "
+                    f"({self.max_context}) tokens")
             units = cdiv(self.max_context, unit)
         table = cache.shadow_table if shadow else cache.block_table
         return q, place, layout, table(block_ids, units * per_unit)
