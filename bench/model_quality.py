@@ -24,9 +24,11 @@ rule itself causes); and with `--calibrate-on TEXT`, per-head tables from
 `xattn_jax.calibrate` on the other text's dense forward at each `--targets` density (so
 that nothing is tuned to the text scored), for each of `--calibrate-rules` (the
 antidiagonal estimate, sampled rows, and the oracle: the same allocation on the exact
-block mass, the best any estimate's table can do). `--fp8-agreement` also reports, per layer on
-the dense model's activations, the share of the causally allowed block pairs on which the
-estimate on fp8 keys selects as the estimate on the bf16 keys.
+block mass, the best any estimate's table can do). `--fp8-agreement` also reports, per
+layer on the dense model's activations, the share of the causally allowed block pairs on
+which the estimate on fp8 keys selects as the estimate on the bf16 keys, beside the same
+share for bf16 keys against the float32 keys they were rounded from (a rounding 16 times
+finer).
 
     python -m bench.model_quality --text licenses --calibrate-on python-docs --passkey
     python -m bench.plot_model_quality RESULTS.json OUT.png   # KL against density
@@ -364,31 +366,39 @@ FP8_AGREEMENT = dict(threshold=0.9, block_size=128, stride=8)  # --fp8-agreement
 
 
 def fp8_agreement(model: Model, tokens) -> np.ndarray:
-    """float `[layers]`: per layer, on the dense model's own activations rounded to bf16,
-    the share of the causally allowed (query block, key block) pairs on which the causal
-    estimate (FP8_AGREEMENT) on the keys in fp8 selects as the one on the bf16 keys."""
+    """float `[2, layers]`: per layer, the share of the causally allowed (query block, key
+    block) pairs on which the causal estimate (FP8_AGREEMENT) selects alike: [0] on the
+    keys in fp8 against the bf16 keys (the dense model's activations rounded to bf16),
+    [1] the control, on the bf16 keys against the float32 keys they were rounded from."""
     options = dict(FP8_AGREEMENT, causal=True)
+
+    def agreement(mask, other):
+        allowed = causal_allowed(mask.shape[-1])
+        return ((mask == other) & allowed).sum() / (allowed.sum() * mask[..., 0, 0].size)
 
     def attention(q, k, v, layer):
         del layer
         q16, k16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
         _, mask = xattn_jax.xattn_estimate(q16, k16, **options)
         _, mask8 = xattn_jax.xattn_estimate(q16, fp8.quantize_keys(k16), **options)
-        allowed = causal_allowed(mask.shape[-1])
-        same = ((mask == mask8) & allowed).sum() / (allowed.sum() * mask[..., 0, 0].size)
+        _, mask32 = xattn_jax.xattn_estimate(q16.astype(jnp.float32), k, **options)
+        same = jnp.stack([agreement(mask, mask8), agreement(mask32, mask)])
         return llama.dense_attention(q, k, v, scale=model.cfg.scale), same
 
     _, same, _ = llama.prefill(model.params, jnp.asarray(tokens)[None], None, cfg=model.cfg,
                                attention=attention)
-    return np.asarray(same)
+    return np.asarray(same).T
 
 
 def fp8_markdown(same: np.ndarray) -> str:
     settings = ", ".join(f"{name} {value}" for name, value in FP8_AGREEMENT.items())
+    fp8_keys, bf16_keys = same
     lines = ["", f"Estimate on fp8 keys against bf16 keys ({settings}): mask agreement per "
-             f"layer, lowest {same.min():.5f}, mean {same.mean():.5f}", "",
-             "| layer | agreement |", "|---|---|"]
-    lines += [f"| {i} | {x:.5f} |" for i, x in enumerate(same)]
+             f"layer, lowest {fp8_keys.min():.5f}, mean {fp8_keys.mean():.5f}. The control, "
+             f"bf16 keys against the float32 keys they were rounded from: lowest "
+             f"{bf16_keys.min():.5f}, mean {bf16_keys.mean():.5f}.", "",
+             "| layer | fp8 against bf16 keys | bf16 against float32 keys |", "|---|---|---|"]
+    lines += [f"| {i} | {x:.5f} | {y:.5f} |" for i, (x, y) in enumerate(same.T)]
     return "\n".join(lines) + "\n"
 
 

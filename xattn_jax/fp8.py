@@ -4,8 +4,8 @@
 `[B, Hkv, L, D]` or a page pool `[num_pages, page_size, Hkv, D]`; `xattn_estimate` and
 `kv_block_scores` take them in place of k. The contract: the estimate of sections 1-5 on
 `dequantize(keys, q.dtype)`. Every implementation dequantizes first (`keys_for_estimate`,
-in the same jitted computation as the estimate) and runs its usual kernel on the result;
-a kernel that multiplies fp8 keys directly needs a GPU to write and time.
+in the same jitted computation as the estimate) and runs its usual kernel on the result
+(docs/estimate.md, "Keys in fp8", says what a kernel multiplying fp8 values would trade).
 
 The scheme (bench/results/fp8_schemes_cpu.md; docs/tuning.md: fp8-key-mean): the keys
 of one KV head are cut into groups of `group` consecutive tokens. Each group's mean key
