@@ -27,8 +27,8 @@ within TARGET_MS of `plain`'s `ms`.
 the reference computes, and the bridged rows' host time includes the computation
 (`to_torch` waits for JAX's result on the CPU).
 
-The H200's record is a section of bench/results/torch_path_h200.md, beside the other
-torch-path records.
+Its record is a section of bench/results/torch_path_h200.md, beside the other torch-path
+records, with its rows in bench/results/xattention_overhead.json.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 import xattn_jax  # noqa: E402
 
-from bench.common import log, today, versions  # noqa: E402
+from bench.common import commit, log, today, versions  # noqa: E402
 
 TARGET_MS = 0.1  # bridged over plain per call, back to back: the bound set for the bridge
 BATCH, Q_HEADS, KV_HEADS, HEAD_DIM = 1, 9, 3, 64  # SmolLM2-135M's attention
@@ -198,13 +198,13 @@ def main(argv=None) -> int:
         print("needs torch with CUDA and JAX's CUDA backend (or pass --smoke)",
               file=sys.stderr)
         return 2
-    rows = []
+    rows, gpu = [], torch.cuda.get_device_name() if run.device == "cuda" else "CPU"
     for length in run.lengths:
         rows.extend(length_rows(length, run))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([dict(r, date=today(), versions=versions()) for r in rows], f,
-                          indent=1)
+                json.dump([dict(r, gpu=gpu, date=today(), versions=versions(),
+                                commit=commit()) for r in rows], f, indent=1)
     print_table(rows, run)
     return 0
 
