@@ -31,8 +31,9 @@ def test_query_rows_round_trip_one_scale_per_reshaped_row():
     # subnormals' 2^-9 (in units of the row's scale)
     s = np.asarray(scales)
     assert np.all(np.abs(back_rows - rows) <= np.maximum(np.abs(rows) / 16, s * 2.0 ** -10))
-    # the dequantized row is its fp8 values times that one scale
-    np.testing.assert_array_equal(back_rows, np.asarray(values, np.float32) * s)
+    # the dequantized row is its fp8 values times that one scale (to float32's rounding:
+    # jax versions differ in how they fold the product)
+    np.testing.assert_allclose(back_rows, np.asarray(values, np.float32) * s, rtol=1e-6)
 
 
 def test_center_group_is_group_on_centered_keys():
