@@ -165,9 +165,12 @@ def length_rows(length: int, run: Run) -> list[dict]:
     return rows
 
 
+def device_name(run: Run) -> str:
+    return torch.cuda.get_device_name() if run.device == "cuda" else "CPU"
+
+
 def print_table(rows: list[dict], run: Run) -> None:
-    device = torch.cuda.get_device_name() if run.device == "cuda" else "CPU"
-    print(f"\n{device}, {today()}; {versions()}")
+    print(f"\n{device_name(run)}, {today()}; {versions()}")
     print(f"B {BATCH}, Hq {Q_HEADS}, Hkv {KV_HEADS}, D {HEAD_DIM}, bf16, {OPTIONS}; "
           f"{run.rounds} rounds of {run.reps} batches of {run.calls} calls; "
           f"`python -m bench.xattention_overhead {' '.join(sys.argv[1:])}`\n")
@@ -198,13 +201,13 @@ def main(argv=None) -> int:
         print("needs torch with CUDA and JAX's CUDA backend (or pass --smoke)",
               file=sys.stderr)
         return 2
-    rows, gpu = [], torch.cuda.get_device_name() if run.device == "cuda" else "CPU"
+    rows = []
+    stamp = dict(gpu=device_name(run), date=today(), versions=versions(), commit=commit())
     for length in run.lengths:
         rows.extend(length_rows(length, run))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([dict(r, gpu=gpu, date=today(), versions=versions(),
-                                commit=commit()) for r in rows], f, indent=1)
+                json.dump([dict(r, **stamp) for r in rows], f, indent=1)
     print_table(rows, run)
     return 0
 
