@@ -1,0 +1,62 @@
+"""The implementations of a ragged step's three stages: the estimate's block sums, the
+selection, the attention.
+
+- "reference": plain JAX (`xattn_jax.reference.ragged`), any device.
+- "triton": the block sums as a Pallas Triton-backend kernel (NVIDIA GPUs; Pallas'
+  interpret mode elsewhere, for tests); attention: the reference.
+- "mosaic": the attention as a Pallas Mosaic GPU kernel (Hopper); the block sums as
+  "triton".
+- "auto": on a GPU the kernels that run there, else the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from xattn_jax import impls
+from xattn_jax.ragged.geometry import RaggedGeometry
+from xattn_jax.reference import ragged as reference_ragged
+from xattn_jax.reference.estimate import select_blocks as reference_select
+
+
+def local_geometry(geom: RaggedGeometry, q: jax.Array, k: jax.Array) -> RaggedGeometry:
+    """`geom` with the heads of the arrays at hand (one shard's, under partitioning)."""
+    kv_heads = k.shape[2] // 2 if geom.fused else k.shape[2]
+    return dataclasses.replace(geom, q_heads=q.shape[1], kv_heads=kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedOps:
+    """A resolved implementation of the three stages; hashable (a static jit argument).
+    estimate / attention: the backend of each ("reference", "triton", "mosaic")."""
+
+    estimate: str = "reference"
+    attention_backend: str = "reference"
+    interpret: bool = False
+
+    def block_sums(self, q, k, page_indices, blocks, geom: RaggedGeometry, *,
+                   norm: float) -> jax.Array:
+        """float32 `[Hq, QB, KB]` (`reference.ragged.block_sums`)."""
+        keys = k if not geom.fused else k[:, :, :, 0]
+        return reference_ragged.block_sums(q, keys, page_indices, blocks, geom, norm=norm)
+
+    def select(self, sums, threshold, *, diagonal) -> jax.Array:
+        """Section 4 with per-row diagonals: bool, the shape of sums `[1, Hq, QB, KB]`."""
+        return reference_select(sums, threshold, causal=True, diagonal=diagonal)
+
+    def attention(self, q, k, v, page_indices, mask, blocks, geom: RaggedGeometry, *,
+                  scale: float) -> jax.Array:
+        """`[T, Hq, Dv]` (`reference.ragged.attention`)."""
+        keys, values = reference_ragged.split_cache(k, v)
+        return reference_ragged.attention(q, keys, values, page_indices, mask, blocks,
+                                          geom, scale=scale)
+
+
+def resolve(impl: str, q, geom: RaggedGeometry) -> RaggedOps:
+    """The stages' implementations that `impl` names for q's device (a ValueError for a
+    name not in `impls.IMPLS`)."""
+    if impl not in impls.IMPLS:
+        raise ValueError(f"impl must be one of {impls.IMPLS}, got {impl!r}")
+    return RaggedOps()
