@@ -38,7 +38,13 @@ class RaggedOps:
 
     def block_sums(self, q, k, page_indices, blocks, geom: RaggedGeometry, *,
                    norm: float) -> jax.Array:
-        """float32 `[Hq, QB, KB]` (`reference.ragged.block_sums`)."""
+        """float32 `[Hq, QB, KB]`, valid in the rows of estimated sequences
+        (`reference.ragged.block_sums`)."""
+        if self.estimate == "triton":
+            from xattn_jax.triton import ragged_block_sums as triton_ragged
+            plan = triton_ragged.plan_ragged(geom, q.dtype, interpret=self.interpret)
+            return triton_ragged.ragged_block_sums(q, k, page_indices, blocks, plan=plan,
+                                                   norm=norm)
         keys = k if not geom.fused else k[:, :, :, 0]
         return reference_ragged.block_sums(q, keys, page_indices, blocks, geom, norm=norm)
 
@@ -59,4 +65,14 @@ def resolve(impl: str, q, geom: RaggedGeometry) -> RaggedOps:
     name not in `impls.IMPLS`)."""
     if impl not in impls.IMPLS:
         raise ValueError(f"impl must be one of {impls.IMPLS}, got {impl!r}")
-    return RaggedOps()
+    on_gpu = impls.device_of(q) is not None and impls.device_of(q).platform == "gpu" \
+        or impls.device_of(q) is None and jax.default_backend() == "gpu"
+    if impl == "reference" or (impl == "auto" and not on_gpu):
+        return RaggedOps()
+    from xattn_jax.triton.ragged_block_sums import unsupported_reason
+    reason = unsupported_reason(geom)
+    if reason is not None:
+        if impl == "auto":
+            return RaggedOps()
+        raise ValueError(reason)
+    return RaggedOps(estimate="triton", interpret=not on_gpu)
