@@ -129,7 +129,7 @@ def _run(core, layouts, result_layouts, geom, static_items, *operands):
 
     partitioned = custom_partitioning(lambda *xs: call(xs, geom))
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                              sharding_rule=_sdy_rule(names, result_names))
+                              sharding_rule=_sdy_rule(names, result_names, sizes))
     batchable = jax.custom_batching.custom_vmap(partitioned)
 
     @batchable.def_vmap
@@ -166,8 +166,10 @@ def _factor_sizes(arrays, names) -> dict[str, int]:
     return sizes
 
 
-def _sdy_rule(names, result_names) -> SdyShardingRule:
-    """Shardy's rule: batch and heads pass through, every other axis is replicated."""
+def _sdy_rule(names, result_names, sizes) -> SdyShardingRule:
+    """Shardy's rule: batch and heads pass through, every other axis is replicated. A
+    fused KV axis is the compound of the KV heads and their K/V pair; where the KV heads
+    appear only there, their size (`sizes`) is given."""
     replicated = []
     pairs = {}
 
@@ -186,6 +188,9 @@ def _sdy_rule(names, result_names) -> SdyShardingRule:
 
     operands = tuple(mapping(n) for n in names)
     results = tuple(mapping(n) for n in result_names)
+    every = [n for axis_names in (*names, *result_names) for n in axis_names]
+    if pairs and KV_HEADS not in every:
+        pairs[_FACTORS[KV_HEADS]] = sizes[KV_HEADS]
     return SdyShardingRule(operands, results, need_replication_factors=tuple(replicated),
                            **pairs)
 

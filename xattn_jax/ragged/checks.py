@@ -118,7 +118,8 @@ def check_step(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs,
         for message in _violations(*(np.asarray(x) for x in arrays), geom):
             raise ValueError(message)
     else:
-        check_traced(lambda *xs: _step_holds(*xs, geom), _STEP_RULE, *arrays)
+        check_traced(lambda *xs: _step_holds(*xs, geom), _STEP_RULE,
+                     *(jnp.asarray(x) for x in arrays))
     return (geom, *arrays)
 
 
