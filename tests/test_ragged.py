@@ -318,3 +318,55 @@ def test_inside_shard_map_on_data_parallel_groups(rand):
         want = ragged_xattention(*step.args(), impl="reference", **OPTIONS)
         np.testing.assert_allclose(np.asarray(out[group]), np.asarray(want), rtol=1e-6,
                                    atol=1e-6)
+
+
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("page_size, fused", [(16, False), (128, True)])
+def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
+    """A bf16 step of Llama-like heads (Hq 32, Hkv 8, D 128, block 128): the auto
+    implementation's block sums and output against the reference's."""
+    from xattn_jax.ragged.checks import check_step
+    from xattn_jax.ragged.layout import ragged_blocks
+    from xattn_jax.ragged import ops
+
+    lengths = [(1, 700), (1, 3000), (512, 2048), (700, 2500), (300, 300), (2048, 4096)]
+    step = make_step(rand.rng, lengths, q_heads=32, kv_heads=8, head_dim=128,
+                     page_size=page_size, spare_slots=2, spare_tokens=40,
+                     dtype=jnp.bfloat16, scale=1.0)
+    options = dict(block_size=128, stride=8)
+    k, v = (step.fused(), None) if fused else (step.k, step.v)
+    args = step.args(k=k, v=v)
+    geom, kv_lens, table, cu, num_seqs, decode = check_step(*args, None, **options)
+    blocks = ragged_blocks(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, decode, geom)
+    keys = jnp.asarray(k).reshape(*k.shape[:2], 8, 2, 128)[:, :, :, 0] if fused \
+        else jnp.asarray(k)
+    auto = ops.resolve("auto", jnp.asarray(step.q), geom)
+    assert auto.estimate == "triton"
+    got = auto.block_sums(jnp.asarray(step.q), jnp.asarray(k).reshape(keys.shape[:3] + (
+        2, 128)) if fused else keys, jnp.asarray(table), blocks, geom, norm=1.0)
+    want = ops.RaggedOps().block_sums(jnp.asarray(step.q), keys, jnp.asarray(table),
+                                      blocks, geom, norm=1.0)
+    rows = np.asarray(blocks.estimated[blocks.row_seq] & blocks.row_live)
+    np.testing.assert_allclose(np.asarray(got)[:, rows], np.asarray(want)[:, rows],
+                               rtol=2e-4, atol=2e-5, err_msg=str(rand))
+    out, mask = ragged_xattention(*args, return_mask=True, **options)
+    want_out, want_mask = ragged_xattention(*args, return_mask=True, impl="reference",
+                                            **options)
+    differ = np.asarray(mask.blocks != want_mask.blocks)
+    assert differ.sum() <= 0.001 * differ.size, f"{differ.sum()} blocks differ; {rand}"
+    same_rows = ~differ.any(axis=(0, 2))
+    token_rows = np.zeros(step.q.shape[0], bool)  # the rows whose blocks agree
+    for row in np.flatnonzero(same_rows & np.asarray(blocks.row_live)):
+        s = int(blocks.row_seq[row])
+        first = int(blocks.kv_lens[s] - blocks.q_lens[s])
+        lo = max(int(blocks.row_block[row]) * 128, first) - first + int(blocks.q_starts[s])
+        hi = min((int(blocks.row_block[row]) + 1) * 128, int(blocks.kv_lens[s])) - first \
+            + int(blocks.q_starts[s])
+        token_rows[lo:hi] = True
+    np.testing.assert_allclose(np.asarray(out, np.float32)[token_rows],
+                               np.asarray(want_out, np.float32)[token_rows],
+                               rtol=2e-2, atol=2e-2, err_msg=str(rand))
