@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import np_reference as npr
 import xattn_jax
 from ragged_steps import make_step, random_lengths
+from xattn_jax.ragged import api as ragged_api
 from xattn_jax.ragged import ragged_xattention
 
 BLOCK, STRIDE = 32, 8
@@ -342,14 +343,11 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
     args = step.args(k=k, v=v)
     geom, kv_lens, table, cu, num_seqs, decode = check_step(*args, None, **options)
     blocks = ragged_blocks(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, decode, geom)
-    keys = jnp.asarray(k).reshape(*k.shape[:2], 8, 2, 128)[:, :, :, 0] if fused \
-        else jnp.asarray(k)
+    cache = ragged_api._fused_pairs(jnp.asarray(k)) if fused else jnp.asarray(k)
     auto = ops.resolve("auto", jnp.asarray(step.q), geom)
     assert auto.estimate == "triton"
-    got = auto.block_sums(jnp.asarray(step.q), jnp.asarray(k).reshape(keys.shape[:3] + (
-        2, 128)) if fused else keys, jnp.asarray(table), blocks, geom, norm=1.0)
-    want = ops.RaggedOps().block_sums(jnp.asarray(step.q), keys, jnp.asarray(table),
-                                      blocks, geom, norm=1.0)
+    got, want = (impl.block_sums(jnp.asarray(step.q), cache, jnp.asarray(table), blocks,
+                                 geom, norm=1.0) for impl in (auto, ops.RaggedOps()))
     rows = np.asarray(blocks.estimated[blocks.row_seq] & blocks.row_live)
     np.testing.assert_allclose(np.asarray(got)[:, rows], np.asarray(want)[:, rows],
                                rtol=2e-4, atol=2e-5, err_msg=str(rand))
