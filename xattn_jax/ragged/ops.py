@@ -50,6 +50,12 @@ class RaggedOps:
 
     def select(self, sums, threshold, *, diagonal) -> jax.Array:
         """Section 4 with per-row diagonals: bool, the shape of sums `[1, Hq, QB, KB]`."""
+        if self.estimate == "triton" and sums.shape[-1] <= impls.TRITON_MAX_KEY_BLOCKS:
+            from xattn_jax.triton import select_blocks as triton_select
+            from xattn_jax.triton.plan import plan_select_blocks
+            plan = plan_select_blocks(sums.shape, causal=False, interpret=self.interpret)
+            return triton_select.select_blocks(sums, threshold, plan=plan, causal=True,
+                                               diagonal=diagonal)
         return reference_select(sums, threshold, causal=True, diagonal=diagonal)
 
     def attention(self, q, k, v, page_indices, mask, blocks, geom: RaggedGeometry, *,
