@@ -28,7 +28,7 @@ from xattn_jax.ragged.geometry import RaggedGeometry
 from xattn_jax.ragged.layout import RaggedBlocks
 from xattn_jax.ragged.row_tiles import FIELDS, RowTiles, max_key_tiles, row_tiles
 from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES, LOG2_E
-from xattn_jax.triton.common import step_product, whole_spec
+from xattn_jax.triton.common import _head_columns, step_product, whole_spec
 from xattn_jax.triton.plan import MIN_SIDE, Tiles, TUNED
 
 _SEQ, _MASK_ROW, _MASK_ROWS, _FIRST_ROW, _KEY_TILES = range(len(FIELDS))
@@ -121,10 +121,9 @@ def _load_queries(q_ref, tile, head, positions, *, part, depth, head_dim):
     first, count, start = tile["first_position"], tile["kv_len"], tile["q_start"]
     real = (positions >= first) & (positions < count)
     token = jnp.where(real, start + positions - first, 0)
-    cols = part * depth + jnp.arange(depth)
-    mask = real[:, None] & (cols < head_dim)[None, :]
-    return plgpu.load(q_ref.at[token[:, None], head, jnp.minimum(cols, head_dim - 1)[None, :]],
-                      mask=mask, other=0)
+    cols, col_mask = _head_columns(head_dim, part, depth)
+    mask = real[:, None] if col_mask is None else real[:, None] & col_mask
+    return plgpu.load(q_ref.at[token[:, None], head, cols], mask=mask, other=0)
 
 
 def _load_keys(k_ref, pages, tile, kv_head, positions, *, part, depth, head_dim, fused):
@@ -132,11 +131,10 @@ def _load_keys(k_ref, pages, tile, kv_head, positions, *, part, depth, head_dim,
     zero from its kv_len on: `[n, depth]`."""
     page_size = k_ref.shape[1]
     real = positions < tile["kv_len"]
-    cols = part * depth + jnp.arange(depth)
-    mask = real[:, None] & (cols < head_dim)[None, :]
-    col_index = jnp.minimum(cols, head_dim - 1)[None, :]
+    cols, col_mask = _head_columns(head_dim, part, depth)
+    mask = real[:, None] if col_mask is None else real[:, None] & col_mask
     rows = (positions % page_size)[:, None]
-    index = (pages[:, None], rows, kv_head) + ((0,) if fused else ()) + (col_index,)
+    index = (pages[:, None], rows, kv_head) + ((0,) if fused else ()) + (cols,)
     return plgpu.load(k_ref.at[index], mask=mask, other=0)
 
 
