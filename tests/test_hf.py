@@ -17,8 +17,10 @@ from transformers import (AttentionInterface, DynamicCache, LlamaConfig,  # noqa
                           LlamaForCausalLM)
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
+import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bench import smollm2  # noqa: E402
+from xattn_jax.calibrate import THRESHOLDS  # noqa: E402
 from xattn_torch_bridge import hf  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
@@ -366,3 +368,42 @@ def test_calibrate_gives_a_table_the_registration_meets(rand, estimate):
     assert 0 < handle.last_density() <= 0.65 + 1e-6
     dense = hf.calibrate(model, tokens, target_density=1.0, thresholds=grid, **settings)
     np.testing.assert_array_equal(dense, 1.0)
+
+
+def test_calibrate_warns_where_its_target_cannot_be_reached(rand):
+    """At the default block size the tiny model's prompt is one block, which every
+    threshold keeps: the table is the sparsest thresholds', with a warning saying so."""
+    model = tiny_model()
+    with pytest.warns(xattn_jax.DensityNotReachedWarning,
+                      match="0.3 cannot be reached: .* mean density of 1.000"):
+        table = hf.calibrate(model, ids(rand), target_density=0.3)
+    np.testing.assert_array_equal(table, np.full((LAYERS, Q_HEADS), min(THRESHOLDS),
+                                                 np.float32))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(model="HuggingFaceTB/SmolLM2-135M"), TypeError,
+     "model must be a loaded transformers model"),
+    (dict(input_ids=np.zeros((1, LENGTH), np.int64)), TypeError,
+     "input_ids must be a torch.Tensor"),
+    (dict(input_ids=torch.zeros(1, LENGTH)), ValueError,
+     "input_ids must hold integer token ids, got dtype torch.float32"),
+    (dict(input_ids=torch.zeros(LENGTH, dtype=torch.int64)), ValueError,
+     r"input_ids must be non-empty token ids \[B, L\], got shape \(96,\)"),
+    (dict(input_ids=torch.full((1, LENGTH), 128)), ValueError,
+     r"input_ids must be token ids in \[0, 128\) \(the model's vocab_size\)"),
+    (dict(thresholds=[]), ValueError, "thresholds must be a non-empty sequence"),
+    (dict(target_density=1.5), ValueError, r"target_density must lie in \(0, 1\]"),
+    (dict(block_size=18), ValueError, "block_size must be a positive multiple of stride"),
+    (dict(treshold=0.9), TypeError, r"unknown \['treshold'\]"),
+])
+def test_calibrate_refuses_bad_arguments_before_the_forward(rand, change, error, message):
+    model = tiny_model()
+    model.set_attn_implementation("sdpa")
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    arguments = dict(model=model, input_ids=ids(rand), block_size=BLOCK, stride=STRIDE)
+    arguments.update(change)
+    with pytest.raises(error, match=message):
+        hf.calibrate(arguments.pop("model"), arguments.pop("input_ids"), **arguments)
+    assert not forwards and model.config._attn_implementation == "sdpa"

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import xattn_jax
+from xattn_jax.calibrate import check_calibration
 from xattn_jax.checks import _check_shares, _real_host_array, check_int, check_tokens
 from xattn_jax.geometry import cdiv
 
@@ -125,12 +126,22 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
     numpy `[num_layers, Hq]`, to pass to `register(threshold=...)` with the same stride,
     block_size and settings.
 
-    Runs one dense forward (transformers' sdpa) over `input_ids` (int `[1, L]`, a few
-    thousand tokens of sample text of the kind the model will read), copies each layer's
-    q, k and v to JAX, and calibrates them with `xattn_jax.calibrate` (settings: its
-    norm, min_blocks, dense_last, impl). The model's attention implementation is restored
-    after the forward, also when it fails.
+    Runs one dense forward (transformers' sdpa) over `input_ids` (integer `[B, L]` on the
+    model's device, token ids below its vocabulary size: a few thousand tokens of sample
+    text of the kind the model will read), copies each layer's q, k and v to JAX, and
+    calibrates them with `xattn_jax.calibrate` (settings: its thresholds, norm,
+    min_blocks, dense_last, impl, estimate). The model's attention implementation is
+    restored after the forward, also when it fails.
+
+    Raises TypeError or ValueError naming the argument before the forward: a model that
+    is not a transformers model, input_ids of another type, dtype, rank or range, and
+    `xattn_jax.calibrate`'s refusals of the other arguments. A target the sparsest
+    thresholds cannot reach gives their table and a `DensityNotReachedWarning`
+    (`xattn_jax.calibrate`'s) with the density they keep.
     """
+    check_calibration(target_density=target_density, stride=stride, block_size=block_size,
+                      **settings)
+    _check_model_and_ids(model, input_ids)
     captured = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
@@ -150,6 +161,34 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
     return xattn_jax.calibrate([captured[i] for i in sorted(captured)],
                                target_density=target_density, stride=stride,
                                block_size=block_size, **settings)
+
+
+def _check_model_and_ids(model, input_ids) -> None:
+    """`calibrate`'s model (a transformers model) and input_ids (its token ids)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "set_attn_implementation") \
+            or not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        raise TypeError(f"model must be a loaded transformers model (a torch.nn.Module "
+                        f"with set_attn_implementation and a config), got {model!r} "
+                        f"({type(model).__name__})")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [B, L], got "
+                        f"{type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise ValueError(f"input_ids must be non-empty token ids [B, L], got shape "
+                         f"{tuple(input_ids.shape)}")
+    parameter = next(model.parameters(), None)
+    if parameter is not None and input_ids.device != parameter.device:
+        raise ValueError(f"input_ids must be on the model's device {parameter.device}, got "
+                         f"{input_ids.device}")
+    vocab = getattr(model.config, "vocab_size", None)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bound = ">= 0" if vocab is None else f"in [0, {vocab}) (the model's vocab_size)"
+        raise ValueError(f"input_ids must be token ids {bound}, got values in "
+                         f"[{low}, {high}]")
 
 
 def _checked_name(name) -> str:
