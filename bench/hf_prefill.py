@@ -17,7 +17,7 @@ ms: the median over `--reps` rounds (after `--warmup`; each round one forward of
 row, in turn) of one forward's time, `model(ids, logits_to_keep=1)` (a prefill: the last
 position's logits), by CUDA events around it (the wall time on the CPU). The bridged
 rows also have, from one more untimed forward of each row with every position's logits:
-`density` (`last_density()`: the share of the causally visible blocks computed, over
+`density` (`last_density`: the share of the causally visible blocks computed, over
 layers and heads); `bridged_calls` and `fallbacks` of that forward (every layer should go
 through the bridge); and against sdpa's logits over the second half's positions, `top1`
 (the share whose most likely next token is sdpa's) and `kl_mean` (mean KL(sdpa ||
@@ -138,7 +138,7 @@ def measure(run: Run) -> list[dict]:
     for name, handle in handles.items():
         handle.reset()
         got = forward(model, ids, name)
-        bridged[name] = {"density": handle.last_density(),
+        bridged[name] = {"density": handle.last_density,
                          "bridged_calls": handle.bridged_calls,
                          "fallbacks": handle.fallbacks,
                          "fallback_counts": handle.fallback_counts,

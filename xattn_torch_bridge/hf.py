@@ -10,8 +10,8 @@
     # or, on a loaded model: model.set_attn_implementation("xattention")
     with torch.no_grad():
         logits = model(input_ids).logits
-    xattn.last_density()      # share of the causally visible blocks computed, e.g. 0.41
-    xattn.layer_densities()   # {layer: share}; xattn.head_densities(): {layer: [Hq]}
+    xattn.last_density        # share of the causally visible blocks computed, e.g. 0.41
+    xattn.layer_densities     # {layer: share}; xattn.head_densities: {layer: [Hq]}
     xattn.fallback_counts     # {"decode": 30, ...}: calls that went to sdpa, by reason
 
 `register` adds the name to transformers' `AttentionInterface` (the attention function)
@@ -36,8 +36,9 @@ The mask function registered with the name returns None for the plain causal mas
 (whatever the cache length) and the materialized mask otherwise.
 
 Density: each bridged call also counts, on the device, the blocks the estimate kept among
-those causally visible, per head; `last_density()` and its kin read the counts of the
-last forward that went through the bridge once, when asked (no host wait per layer).
+those causally visible, per head; `last_density` and its kin read the counts of the
+last forward that went through the bridge once, when read (no host wait per layer). What
+the calls measured is read as properties, the counts and the densities alike.
 
 Host cost per layer: the compiled function is looked up once per layer call by a
 dictionary key, the threshold of each layer is a device array made once, and the call
@@ -313,24 +314,27 @@ class AttentionHandle:
         self._counts.clear()
         self._forward = {}
 
+    @property
     def head_densities(self) -> dict[int, np.ndarray]:
         """For each layer of the last forward that went through the bridge: float64 `[Hq]`,
         the share of each head's causally visible blocks that the estimate kept (over the
-        batch). Reads the device counts (one wait)."""
+        batch). Reading it reads the device counts (one wait)."""
         layers = sorted(self._forward)
         counts = jax.device_get([self._forward[layer][0] for layer in layers])
         return {layer: np.asarray(c, np.float64) / self._forward[layer][1]
                 for layer, c in zip(layers, counts)}
 
+    @property
     def layer_densities(self) -> dict[int, float]:
         """For each layer of the last bridged forward: the share of its causally visible
         blocks (all heads, the batch) that were computed."""
-        return {layer: float(d.mean()) for layer, d in self.head_densities().items()}
+        return {layer: float(d.mean()) for layer, d in self.head_densities.items()}
 
+    @property
     def last_density(self) -> float | None:
         """The share of causally visible blocks computed in the last forward that went
         through the bridge, over its layers and heads; None before any such forward."""
-        densities = self.head_densities()
+        densities = self.head_densities
         if not densities:
             return None
         return float(np.mean(np.concatenate(list(densities.values()))))
