@@ -166,8 +166,8 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
 
 def _check_model_and_ids(model, input_ids) -> None:
     """`calibrate`'s model (a transformers model) and input_ids (its token ids)."""
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "set_attn_implementation") \
-            or not hasattr(getattr(model, "config", None), "_attn_implementation"):
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "set_attn_implementation")
+            and hasattr(getattr(model, "config", None), "_attn_implementation")):
         raise TypeError(f"model must be a loaded transformers model (a torch.nn.Module "
                         f"with set_attn_implementation and a config), got {model!r} "
                         f"({type(model).__name__})")
