@@ -124,6 +124,13 @@ def allocate(density, error, *, target_density: float, thresholds=THRESHOLDS) ->
     return np.asarray(thresholds, np.float32)[pick(hi)]
 
 
+# the settings `calibrate` passes to `head_curves`, and their defaults
+SETTINGS = ("block_size", "stride", "norm", "min_blocks", "dense_last", "scale", "impl",
+            "estimate")
+_DEFAULTS = {name: p.default for name, p in inspect.signature(head_curves).parameters.items()
+             if name in SETTINGS}
+
+
 def calibrate(layers: Iterable, *, target_density: float = 0.3, thresholds=THRESHOLDS,
               **settings) -> np.ndarray:
     """A threshold per layer and query head for a mean density of `target_density`.
@@ -145,13 +152,6 @@ def calibrate(layers: Iterable, *, target_density: float = 0.3, thresholds=THRES
     curves = [head_curves(q, k, v, thresholds=thresholds, **settings) for q, k, v in layers]
     density, error = (np.stack(c) for c in zip(*curves))
     return allocate(density, error, target_density=target_density, thresholds=thresholds)
-
-
-# the settings `calibrate` passes to `head_curves`, and their defaults
-SETTINGS = ("block_size", "stride", "norm", "min_blocks", "dense_last", "scale", "impl",
-            "estimate")
-_DEFAULTS = {name: p.default for name, p in inspect.signature(head_curves).parameters.items()
-             if name in SETTINGS}
 
 
 def check_calibration(*, target_density, thresholds=THRESHOLDS,
