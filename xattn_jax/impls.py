@@ -16,7 +16,7 @@ and nowhere else.
   the SMs), key groups included (short calls on few heads, whose keys the Triton kernel
   splits among more programs; a chunk sharded over 2 GPUs reaches 128 CTAs in key groups
   and stays on Mosaic; otherwise the Mosaic block sums measured 1.12-1.28x faster than
-  the Triton kernel on every timed case on the H200, `bench/results/estimate_h200.md`),
+  the Triton kernel on every timed case on the H200, `bench/results/estimate.md`),
   "triton" on other GPUs, "reference" elsewhere; for attention "mosaic" where it can run
   and takes the call's arguments (dtype, head dim, block size, page size), else
   "reference".

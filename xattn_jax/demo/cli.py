@@ -3,12 +3,14 @@
 It builds structured q and k (`xattn_jax.demo.synthetic`: attention sinks, a local window,
 vertical and diagonal stripes, noise), times the jitted `xattn_estimate`, measures the
 mask's density and its exact recall (`xattn_jax.demo.recall`), prints a short report and writes
-a PNG of one head's block sums and block mask.
+a PNG of one head's block sums and block mask. The plot needs matplotlib (the `demo` extra):
+without it the demo stops before computing anything, saying what to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     """Parses `argv` (default: the command line), runs the demo, prints its report."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("the demo's plot needs matplotlib: pip install 'xattn-jax[demo]'")
     if not 0 <= args.head < args.heads:
         parser.error(f"--head must lie in [0, {args.heads}), got {args.head}")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
