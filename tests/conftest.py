@@ -187,7 +187,7 @@ class Impl:
     def _mosaic_block_sums(self, q, k, geom: Geometry, *, causal: bool,
                            norm: float) -> np.ndarray:
         from xattn_jax import mosaic
-        from xattn_jax.mosaic.estimate_plan import unsupported_reason
+        from xattn_jax.mosaic.estimate.plan import unsupported_reason
 
         reason = (mosaic_interpret.unsupported_reason() if self.interpret
                   else mosaic.available())

@@ -135,7 +135,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     tile of 128 reshaped rows x 2 heads here): "auto"'s Mosaic implementation runs the
     Triton kernel (interpret mode off a GPU), which gives the reference's block sums. No
     Mosaic GPU code runs."""
-    from xattn_jax.mosaic import estimate_plan, heuristics
+    from xattn_jax.mosaic.estimate import heuristics, plan as estimate_plan
 
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 2, 256, 128)), jnp.bfloat16)

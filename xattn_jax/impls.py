@@ -63,7 +63,7 @@ class Implementation:
     def block_sparse_attention(self, q, k, v, mask, **kwargs):
         """Section 6 (arguments of `reference.block_sparse_attention`)."""
         if self.name == "mosaic":
-            from xattn_jax.mosaic import attention as mosaic_attention  # imports Mosaic GPU
+            from xattn_jax.mosaic.attention import block_sparse_attention as mosaic_attention
             return mosaic_attention.block_sparse_attention(q, k, v, mask, **kwargs)
         return reference.block_sparse_attention(q, k, v, mask, **kwargs)
 
@@ -91,7 +91,7 @@ class Implementation:
             plan, reason = _mosaic_plan(geom, q.dtype, causal, key_len is not None,
                                         page_size, max_scratch_bytes, auto=self.fallback)
             if plan is not None:
-                from xattn_jax.mosaic import block_sums as mosaic_sums  # imports Mosaic GPU
+                from xattn_jax.mosaic.estimate import block_sums as mosaic_sums
                 return mosaic_sums.block_sums(
                     q, k, plan=plan, norm=norm,
                     key_len=None if key_len is None else key_len.reshape(1),
@@ -119,7 +119,7 @@ def _mosaic_plan(geom: Geometry, dtype, causal: bool, key_len: bool,
     """`(plan, None)` of the Mosaic block sums for this call, or `(None, reason)` saying
     why they cannot take it, or with `auto` (the choice "auto" makes) why the Triton
     kernel runs it faster: fewer than `heuristics.auto_min_ctas` CTAs."""
-    from xattn_jax.mosaic import estimate_plan, heuristics  # plain Python, no Mosaic GPU
+    from xattn_jax.mosaic.estimate import heuristics, plan as estimate_plan
 
     reason = estimate_plan.unsupported_reason(geom, dtype, key_len=key_len, causal=causal,
                                               page_size=page_size,
@@ -194,7 +194,7 @@ def _resolve_attention(impl: str, device, attention_args: tuple | None) -> Imple
         return Implementation("reference")
     reason = mosaic.available(device)
     if reason is None and attention_args is not None:
-        from xattn_jax.mosaic.plan import unsupported_reason  # plain Python, no Mosaic GPU
+        from xattn_jax.mosaic.attention.plan import unsupported_reason
         reason = unsupported_reason(*attention_args)
     if reason is None:
         return Implementation("mosaic")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 
 HOPPER_MAJOR = 9
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # both kernels' operands
 # The Mosaic GPU names the kernels use; an older jax lacking one cannot run it.
 _MOSAIC_API = ("kernel", "CompilerParams", "SMEM", "Barrier", "ACC", "Layout",
                "TilingTransform", "SwizzleTransform", "copy_gmem_to_smem",
