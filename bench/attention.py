@@ -57,6 +57,7 @@ from bench.cases import paged_pools  # noqa: E402
 from bench.common import (MATMUL_FLOPS, Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
                           print_report, record, report, strided_flops, time_ms, write_json)
 from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
+from xattn_jax.backend import AttentionCall  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 
 THRESHOLD = 0.9
@@ -173,9 +174,9 @@ def impl_label(impl: str, sz: Sizes, page_size: int | None = None) -> str:
     """Which attention `impl` runs on JAX's default device for bf16 inputs of these sizes
     (and pages of `page_size` tokens; None: contiguous) (`xattn_jax.impls`), for the
     records."""
-    return impls.resolve(impl, op=impls.ATTENTION, device=jax.devices()[0],
-                         attention_args=(sz.head_dim, sz.head_dim, jnp.bfloat16,
-                                         sz.block, page_size)).name
+    return impls.resolve(impl, ops=impls.ATTENTION, device=jax.devices()[0],
+                         attention=AttentionCall(sz.head_dim, sz.head_dim, jnp.bfloat16,
+                                                 sz.block, page_size)).name
 
 
 # --- cases ---------------------------------------------------------------------------

@@ -39,10 +39,11 @@ import numpy as np  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
 from bench.common import floor_ms, time_ms  # noqa: E402
-from xattn_jax import impls, mosaic, reference  # noqa: E402
+from xattn_jax import mosaic, reference  # noqa: E402
 from xattn_jax.geometry import Geometry  # noqa: E402
 from xattn_jax.mosaic.estimate import block_sums as mosaic_block_sums  # noqa: E402
 from xattn_jax.mosaic.estimate.plan import estimate_plan  # noqa: E402
+from xattn_jax.triton.backend import TritonBackend  # noqa: E402
 
 SMOKE_LIMIT_S = 180
 RTOL = 5e-5  # the GPU tests' float32 bound (tests/cases.py: 1e-5 x GPU_SLACK)
@@ -87,7 +88,7 @@ def reference_sums(q, k, geom: Geometry, causal: bool) -> np.ndarray:
 
 
 def triton_sums(geom: Geometry, causal: bool, bound: int | None = None):
-    triton = impls.Implementation("triton")
+    triton = TritonBackend()
     return jax.jit(functools.partial(triton.block_sums, geom=geom, causal=causal, norm=1.0,
                                      max_scratch_bytes=bound))
 

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from xattn_jax.api import select_blocks, xattn_estimate
-from xattn_jax.attention import DENSE_LAST, ESTIMATES, MIN_BLOCKS, block_sparse_attention
+from xattn_jax.attention import ESTIMATES, block_sparse_attention
 from xattn_jax.checks import check_choice, check_positive_float
+from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE
 from xattn_jax.reference.estimate import forced_and_allowed
 from xattn_jax.sampled_rows import sampled_block_mass
 
@@ -33,7 +34,7 @@ _BISECTION_STEPS = 100  # on the Lagrange multiplier: far below one head's densi
 
 
 def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOLDS,
-                block_size: int = 128, stride: int = 8, norm: float = 1.0,
+                block_size: int = BLOCK_SIZE, stride: int = STRIDE, norm: float = NORM,
                 min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
                 scale: float | None = None, impl: str = "auto",
                 estimate: str = "antidiagonal", block_scores: jax.Array | None = None):

@@ -209,7 +209,7 @@ def check_scratch_bytes(max_scratch_bytes) -> int | None:
 
 # --- shares in (0, 1] --------------------------------------------------------------------
 
-def _real_host_array(name: str, value) -> np.ndarray:
+def real_host_array(name: str, value) -> np.ndarray:
     """A threshold given on the host (a number, a numpy value or array, a list) as a float32
     array; strings, None, bools and other non-numbers are refused."""
     if not isinstance(value, (bool, np.bool_, str, bytes)):
@@ -223,7 +223,7 @@ def _real_host_array(name: str, value) -> np.ndarray:
                     f"({type(value).__name__})")
 
 
-def _check_shares(name: str, values: float | np.ndarray, shown) -> None:
+def check_shares(name: str, values: float | np.ndarray, shown) -> None:
     """The one range rule of every share (threshold): one float, or a float32 array."""
     if isinstance(values, float):  # without numpy's few microseconds per call
         inside = 0 < values <= 1
@@ -241,7 +241,7 @@ def check_share(name: str, value) -> float:
                         f"({type(value).__name__})")
     # clipped first: a huge int would not fit a float32 (NaN stays NaN)
     share = float(np.float32(max(min(value, 2), -1)))
-    _check_shares(name, share, value)
+    check_shares(name, share, value)
     return share
 
 
@@ -272,10 +272,10 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
             return jnp.broadcast_to(t, (q_heads,))
         _check_threshold_shape(t.shape, q_heads)
         return t
-    t = _real_host_array("threshold", threshold)
+    t = real_host_array("threshold", threshold)
     if t.ndim:
         _check_threshold_shape(t.shape, q_heads)
-    _check_shares("threshold", t, threshold)
+    check_shares("threshold", t, threshold)
     return _device_values(tuple(np.broadcast_to(t, (q_heads,)).tolist()))
 
 
@@ -287,10 +287,10 @@ def scalar_threshold(threshold) -> jax.Array:
         if threshold.ndim:
             raise ValueError(f"threshold must be one float, got shape {threshold.shape}")
         return _check_jax_share("threshold", threshold)
-    t = _real_host_array("threshold", threshold)
+    t = real_host_array("threshold", threshold)
     if t.ndim:
         raise ValueError(f"threshold must be one float, got shape {t.shape}")
-    _check_shares("threshold", t, threshold)
+    check_shares("threshold", t, threshold)
     return _device_values(float(t))
 
 

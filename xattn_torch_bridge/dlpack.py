@@ -172,6 +172,19 @@ def place_of(tensor: torch.Tensor, name: str, copy: bool,
             f"{name}'s data pointer {tensor.data_ptr():#x} is not aligned to {place.align} "
             f"bytes, which JAX needs to use the memory in place on {tensor.device} (a view "
             "with a storage offset, such as x[1:], is the usual cause): pass copy=True")
+def forward_only(tensor, name: str):
+    """`tensor` as an input of a forward-only call (no gradient): refused (ValueError)
+    where it requires grad while torch's grad mode is on, since the output could carry no
+    graph; under torch.no_grad() or torch.inference_mode() detached, as DLPack needs."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+        return tensor
+    if torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but this call is forward only (it has no "
+                         f"gradient): call it under torch.no_grad() or "
+                         f"torch.inference_mode(), or pass {name}.detach()")
+    return tensor.detach()
+
+
     return tensor, place
 
 
