@@ -134,11 +134,10 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SIZE,
         calls, one after another, over as many whole heads as fit or else in row steps
         (`triton.plan.plan_block_sums`, `mosaic.estimate.plan`; a causal call's Mosaic
         statistics are folded, about half its tiles' worth). A larger bound takes fewer
-        steps (causal 128K as one call: 3.1% faster, with 1.3 GiB of workspace), a lower
-        one more. Where not even one row step of one head fits, the Triton backend runs
-        its two-pass kernel (no scratch, each score computed twice), and "auto" gives
-        the Triton backend the calls the Mosaic block sums cannot step. The reference
-        ignores it.
+        steps, a lower one more (docs/tuning.md: workspace-bound). Where not even one row
+        step of one head fits, the Triton backend runs its two-pass kernel (no scratch,
+        each score computed twice), and "auto" gives the Triton backend the calls the
+        Mosaic block sums cannot step. The reference ignores it.
 
     Returns:
       `(block_sums, mask)`: float32 and bool, both `[B, Hq, ceil(Lq/block_size),
