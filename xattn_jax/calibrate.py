@@ -24,7 +24,8 @@ import numpy as np
 from xattn_jax.api import select_blocks, xattn_estimate
 from xattn_jax.attention import ESTIMATES, block_sparse_attention
 from xattn_jax.checks import check_choice, check_positive_float
-from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE
+from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE,
+                                TARGET_DENSITY)
 from xattn_jax.reference.estimate import forced_and_allowed
 from xattn_jax.sampled_rows import sampled_block_mass
 
@@ -103,8 +104,8 @@ def allocate(density, error, *, target_density: float, thresholds=THRESHOLDS) ->
     return np.asarray(thresholds, np.float32)[pick(hi)]
 
 
-def calibrate(layers: Iterable, *, target_density: float = 0.3, thresholds=THRESHOLDS,
-              **settings) -> np.ndarray:
+def calibrate(layers: Iterable, *, target_density: float = TARGET_DENSITY,
+              thresholds=THRESHOLDS, **settings) -> np.ndarray:
     """A threshold per layer and query head for a mean density of `target_density`.
 
     layers: one `(q, k, v)` per layer (`head_curves`' shapes) from a dense forward over

@@ -20,6 +20,9 @@ THRESHOLD = 0.95
 MIN_BLOCKS = 4
 DENSE_LAST = 1
 
+# calibrate's and hf.calibrate's mean density (docs/tuning.md: calibration)
+TARGET_DENSITY = 0.3
+
 # chunked prefill over a KV cache: kv_block_scores, select_kv_blocks, XAttentionPolicy
 KV_BLOCK_SIZE = 4096
 ESTIMATE_BLOCK_SIZE = 1024

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import xattn_jax
 from xattn_jax.checks import check_int, check_shares, check_tokens, real_host_array
-from xattn_jax.defaults import BLOCK_SIZE, STRIDE, THRESHOLD
+from xattn_jax.defaults import BLOCK_SIZE, STRIDE, TARGET_DENSITY, THRESHOLD
 from xattn_jax.geometry import cdiv
 
 from xattn_torch_bridge import attention
@@ -116,7 +116,7 @@ def register(name: str = "xattention", *, threshold=THRESHOLD, stride: int = STR
 
 
 def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
-              target_density: float = 0.3, stride: int = STRIDE,
+              target_density: float = TARGET_DENSITY, stride: int = STRIDE,
               block_size: int = BLOCK_SIZE, **settings) -> np.ndarray:
     """Per-head thresholds for `model` at a mean density of `target_density`: float32
     numpy `[num_layers, Hq]`, to pass to `register(threshold=...)` with the same stride,
