@@ -3,8 +3,8 @@
 Two selections differ on purpose. The estimate's own functions (`xattn_estimate`,
 `select_blocks`) keep the original XAttention's rule: threshold 0.9 and no widening.
 `xattention` and the transformers `register` use the rule chosen for a real model's
-quality: threshold 0.95, `min_blocks` 4, `dense_last` 1 (docs/tuning.md:
-selection-defaults, which also chose the block size, stride and norm).
+quality: threshold 0.95, `min_blocks` 4, `dense_last` 1. The same entry chose the block
+size, stride and norm (docs/tuning.md: selection-defaults).
 """
 
 BLOCK_SIZE = 128  # tokens per block; the Mosaic attention kernel's rows per CTA

@@ -1,6 +1,6 @@
 """The exact epilogue of the one-pass block sums (docs/estimate.md sections 2-3), shared
 by the one-pass kernels of both backends (`xattn_jax.triton.one_pass`,
-`xattn_jax.mosaic.block_sums`), and the walk of a call made of several kernel calls
+`xattn_jax.mosaic.estimate.block_sums`), and the walk of a call made of several kernel calls
 (`in_steps`).
 
 A row's softmax needs its maximum and sum over every key before any block sum can be
