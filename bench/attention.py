@@ -58,6 +58,7 @@ from bench.common import (JSON_HELP, MATMUL_FLOPS, Sizes, floor_ms,  # noqa: E40
                           jax_extra_mib, log, merge_json, print_report, record, report,
                           strided_flops, time_ms)
 from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
+from xattn_jax.backend import AttentionCall  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 
 THRESHOLD = 0.9
@@ -174,9 +175,9 @@ def impl_label(impl: str, sz: Sizes, page_size: int | None = None) -> str:
     """Which attention `impl` runs on JAX's default device for bf16 inputs of these sizes
     (and pages of `page_size` tokens; None: contiguous) (`xattn_jax.impls`), for the
     records."""
-    return impls.resolve(impl, op=impls.ATTENTION, device=jax.devices()[0],
-                         attention_args=(sz.head_dim, sz.head_dim, jnp.bfloat16,
-                                         sz.block, page_size)).name
+    return impls.resolve(impl, ops=impls.ATTENTION, device=jax.devices()[0],
+                         attention=AttentionCall(sz.head_dim, sz.head_dim, jnp.bfloat16,
+                                                 sz.block, page_size)).name
 
 
 # --- cases ---------------------------------------------------------------------------

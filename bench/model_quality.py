@@ -52,7 +52,7 @@ import xattn_jax
 from bench import llama, smollm2, texts
 from xattn_jax import fp8
 from xattn_jax.calibrate import allocate, head_curves
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
+from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, THRESHOLD
 from bench.common import commit, gpu_name, log, today, versions, write_outputs
 
 QUALITY_KEY = ("setting", "text", "gpu")  # what identifies a record's row (merge_json)

@@ -29,11 +29,12 @@ import numpy as np
 
 from xattn_jax import impls
 from xattn_jax.api import select_blocks, xattn_estimate
-from xattn_jax.attention import (DENSE_LAST, ESTIMATES, MIN_BLOCKS, _check_v,
-                                 block_sparse_attention)
-from xattn_jax.checks import (_check_shares, _real_host_array, check_choice, check_int,
-                              check_norm, check_positive_float, check_qk, check_scale,
-                              check_tokens)
+from xattn_jax.attention import ESTIMATES, block_sparse_attention, check_v
+from xattn_jax.checks import (check_choice, check_int, check_norm, check_positive_float,
+                              check_qk, check_scale, check_shares, check_tokens,
+                              real_host_array)
+from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE,
+                                TARGET_DENSITY)
 from xattn_jax.reference.estimate import forced_and_allowed
 from xattn_jax.sampled_rows import sampled_block_mass
 
@@ -47,7 +48,7 @@ class DensityNotReachedWarning(UserWarning):
 
 
 def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOLDS,
-                block_size: int = 128, stride: int = 8, norm: float = 1.0,
+                block_size: int = BLOCK_SIZE, stride: int = STRIDE, norm: float = NORM,
                 min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
                 scale: float | None = None, impl: str = "auto",
                 estimate: str = "antidiagonal", block_scores: jax.Array | None = None):
@@ -131,8 +132,8 @@ _DEFAULTS = {name: p.default for name, p in inspect.signature(head_curves).param
              if name in SETTINGS}
 
 
-def calibrate(layers: Iterable, *, target_density: float = 0.3, thresholds=THRESHOLDS,
-              **settings) -> np.ndarray:
+def calibrate(layers: Iterable, *, target_density: float = TARGET_DENSITY,
+              thresholds=THRESHOLDS, **settings) -> np.ndarray:
     """A threshold per layer and query head for a mean density of `target_density`.
 
     layers: one `(q, k, v)` per layer (`head_curves`' shapes, the same Hq in every layer)
@@ -180,12 +181,12 @@ def check_calibration(*, target_density, thresholds=THRESHOLDS,
 def _checked_thresholds(thresholds) -> tuple[float, ...]:
     rule = "thresholds must be a non-empty sequence of floats in (0, 1]"
     try:
-        values = _real_host_array("thresholds", thresholds)
+        values = real_host_array("thresholds", thresholds)
     except TypeError:
         raise TypeError(f"{rule}, got {thresholds!r} ({type(thresholds).__name__})") from None
     if values.ndim != 1 or values.size == 0:
         raise ValueError(f"{rule}, got shape {values.shape}")
-    _check_shares("thresholds", values, thresholds)
+    check_shares("thresholds", values, thresholds)
     return tuple(values.tolist())
 
 
@@ -207,7 +208,7 @@ def _checked_layers(layers, settings: dict) -> list[tuple]:
         q, k, v = layer
         try:
             check_qk(q, k, stride=s["stride"], block_size=s["block_size"], causal=True)
-            _check_v(v, k, None)
+            check_v(v, k, None)
         except (TypeError, ValueError) as error:
             raise type(error)(f"layers[{i}]: {error}") from None
         if q.shape[1] != layers[0][0].shape[1]:

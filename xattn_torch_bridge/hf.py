@@ -51,7 +51,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +58,8 @@ import numpy as np
 import torch
 import xattn_jax
 from xattn_jax.calibrate import check_calibration
-from xattn_jax.checks import _check_shares, _real_host_array, check_int, check_tokens
+from xattn_jax.checks import check_int, check_shares, check_tokens, real_host_array
+from xattn_jax.defaults import BLOCK_SIZE, STRIDE, TARGET_DENSITY, THRESHOLD
 from xattn_jax.geometry import cdiv
 
 from xattn_torch_bridge import attention
@@ -82,15 +82,12 @@ FALLBACK_REASONS = ("decode", "short", "unaligned", "mask", "not_causal", "train
 UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 # arguments of the bridged xattention that the layer call sets itself
 RESERVED_OPTIONS = ("causal", "scale", "return_mask", "copy", "threshold")
-_DEFAULTS = {name: p.default for name, p in
-             inspect.signature(xattn_jax.xattention).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY}
 _registered: dict[str, AttentionHandle] = {}
 _CALIBRATION = "xattention-calibration"  # `calibrate`'s capturing implementation
 
 
-def register(name: str = "xattention", *, threshold=_DEFAULTS["threshold"],
-             stride: int = _DEFAULTS["stride"], block_size: int = _DEFAULTS["block_size"],
+def register(name: str = "xattention", *, threshold=THRESHOLD, stride: int = STRIDE,
+             block_size: int = BLOCK_SIZE,
              min_length: int | None = None, **options) -> AttentionHandle:
     """Makes XAttention the transformers attention implementation `name`.
 
@@ -121,8 +118,8 @@ def register(name: str = "xattention", *, threshold=_DEFAULTS["threshold"],
 
 
 def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
-              target_density: float = 0.3, stride: int = _DEFAULTS["stride"],
-              block_size: int = _DEFAULTS["block_size"], **settings) -> np.ndarray:
+              target_density: float = TARGET_DENSITY, stride: int = STRIDE,
+              block_size: int = BLOCK_SIZE, **settings) -> np.ndarray:
     """Per-head thresholds for `model` at a mean density of `target_density`: float32
     numpy `[num_layers, Hq]`, to pass to `register(threshold=...)` with the same stride,
     block_size and settings.
@@ -243,13 +240,13 @@ class Settings:
 def _checked_threshold(threshold) -> tuple[float | None, np.ndarray | None]:
     if isinstance(threshold, torch.Tensor):
         threshold = threshold.detach().cpu().numpy()
-    values = _real_host_array("threshold", threshold)
+    values = real_host_array("threshold", threshold)
     if values.ndim > 2:
         raise ValueError(f"threshold must be a float, [Hq] or [num_layers, Hq] floats, got "
                          f"shape {values.shape}")
     if 0 in values.shape:
         raise ValueError(f"threshold must not be empty, got shape {values.shape}")
-    _check_shares("threshold", values, threshold)
+    check_shares("threshold", values, threshold)
     return (float(values), None) if values.ndim == 0 else (None, values)
 
 
