@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.cases import CHUNK, ESTIMATE
-from bench.common import floor_ms, log, record, time_ms, write_json
+from bench.common import JSON_HELP, floor_ms, log, merge_json, record, time_ms
 
 DEFAULT_CASES = [name for name in ESTIMATE
                  if not name.startswith(("noncausal-16k", "noncausal-32k"))] + list(CHUNK)
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--impl", help="the impl both versions run (default: each "
                         "version's Triton-backend kernels)")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help=JSON_HELP)
     args = parser.parse_args(argv)
     import xattn_jax as new
 
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
         records += [record(name, f"xattn-jax {label}{impl}", ms, floor, float("nan"))
                     for label, ms in (("old", old_ms), ("new", new_ms))]
         if args.json:
-            write_json(args.json, records)
+            merge_json(args.json, records)
         del fns
     print("| case | old ms (x floor) | new ms (x floor) | new / old | rounds old | rounds new |")
     print("|---|---|---|---|---|---|")

@@ -17,10 +17,10 @@ Lq = Lk, causal; median device time per call, `bench.common.time_ms`):
   64K call (a chunk over its cached context), k and v contiguous or in a paged cache of
   4096- or 128-token pages, shuffled, read through the block table.
 - `xattention-causal-128k`: `xattention` (estimate + attention, threshold 0.9 or
-  `--threshold`, stride 8) on the structured synthetic data of `xattn_jax.demo.synthetic`
-  (8 heads, each query head repeated to its 4 GQA query heads), v random; and
-  `xattention-causal-128k-attention`, `block_sparse_attention` alone on the mask it
-  selected.
+  `--threshold` T, the case then named `xattention-causal-128k-tT`, stride 8) on the
+  structured synthetic data of `xattn_jax.demo.synthetic` (8 heads, each query head
+  repeated to its 4 GQA query heads), v random; and `...-attention`,
+  `block_sparse_attention` alone on the mask it selected.
 - `smollm2-causal-{8k,32k}`: SmolLM2-135M's attention (Hq 9 reading Hkv 3, D 64):
   `block_sparse_attention` on an all-true mask, and cuDNN's dense causal attention at
   the same shapes (impl "cudnn"), in the same case.
@@ -54,9 +54,11 @@ import numpy as np  # noqa: E402
 
 from bench import flex  # noqa: E402
 from bench.cases import paged_pools  # noqa: E402
-from bench.common import (MATMUL_FLOPS, Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
-                          print_report, record, report, strided_flops, time_ms, write_json)
+from bench.common import (JSON_HELP, MATMUL_FLOPS, Sizes, floor_ms,  # noqa: E402
+                          jax_extra_mib, log, merge_json, print_report, record, report,
+                          strided_flops, time_ms)
 from xattn_jax import block_sparse_attention, impls, xattention  # noqa: E402
+from xattn_jax.backend import AttentionCall  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 
 THRESHOLD = 0.9
@@ -173,9 +175,9 @@ def impl_label(impl: str, sz: Sizes, page_size: int | None = None) -> str:
     """Which attention `impl` runs on JAX's default device for bf16 inputs of these sizes
     (and pages of `page_size` tokens; None: contiguous) (`xattn_jax.impls`), for the
     records."""
-    return impls.resolve(impl, op=impls.ATTENTION, device=jax.devices()[0],
-                         attention_args=(sz.head_dim, sz.head_dim, jnp.bfloat16,
-                                         sz.block, page_size)).name
+    return impls.resolve(impl, ops=impls.ATTENTION, device=jax.devices()[0],
+                         attention=AttentionCall(sz.head_dim, sz.head_dim, jnp.bfloat16,
+                                                 sz.block, page_size)).name
 
 
 # --- cases ---------------------------------------------------------------------------
@@ -288,6 +290,8 @@ def run_case(name: str, smoke: bool, impl: str, threshold: float = THRESHOLD,
         rows.append(timed_row(name, masked, reps))
     else:
         whole, masked = xattention_calls(case, sz, impl, threshold)
+        if threshold != THRESHOLD:  # a row of its own in a shared record
+            name = f"{name}-t{threshold:g}"
         rows.append(timed_row(name, whole, reps))
         name = f"{name}-attention"
         rows.append(timed_row(name, masked, reps))
@@ -311,7 +315,7 @@ def main(argv=None) -> int:
                         help="comma-separated names, or 'all'; names: " + ", ".join(CASES))
     parser.add_argument("--impl", default="auto", choices=("auto", "reference", "mosaic"),
                         help="the attention's implementation (default auto)")
-    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--threshold", type=float, default=THRESHOLD,
                         help=f"the xattention row's threshold (default {THRESHOLD})")
     parser.add_argument("--quality", action="store_true",
@@ -338,7 +342,7 @@ def main(argv=None) -> int:
         log(f"[{i + 1}/{len(names)}] {name}")
         records.extend(run_case(name, args.smoke, args.impl, args.threshold, flex_off))
         if args.json:  # after every case, so a cut-short run keeps what it measured
-            write_json(args.json, records)
+            merge_json(args.json, records)
     checks = flex_checks(records)
     print_report(records)
     print("\n" + checks, end="")

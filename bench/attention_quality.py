@@ -10,9 +10,9 @@ On the demo's structured data (`bench.attention.structured_qkv`: causal, Lq = Lk
 - ms, and speed-up: dense bf16 attention's time (cuDNN on a GPU, XLA elsewhere) over
   xattention's (estimate included).
 Dense bf16 attention's own error is reported too: the part of the error bf16 alone makes.
-Prints a markdown report, the quality section of bench/results/attention_h200.md (put it
+Prints a markdown report, the quality section of bench/results/attention.md (put it
 there in place of the old one), and writes it to `--md PATH` where given; writes a PNG
-plot (by default bench/results/attention_quality_h200.png, the section's figure).
+plot (by default bench/results/attention_quality.png, the section's figure).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from xattn_jax import block_sparse_attention, xattention
 THRESHOLDS = (0.8, 0.85, 0.9, 0.95, 0.99)
 STRIDES = (8, 16)
 REPS = 10
-DEFAULT_PNG = "bench/results/attention_quality_h200.png"
+DEFAULT_PNG = "bench/results/attention_quality.png"
 
 
 def rel_err(out: jax.Array, want: jax.Array) -> float:
@@ -137,7 +137,7 @@ def plot(rows: list[dict], dense: dict, path: str) -> None:
 
 def run(sz: Sizes, impl: str, *, smoke: bool, md: str | None, png: str | None) -> None:
     """The sweep; its plot to `png`, its report on stdout and, where given, to `md` (the
-    report is a section of bench/results/attention_h200.md, so no record file is
+    report is a section of bench/results/attention.md, so no record file is
     rewritten by default)."""
     png = png or ("/tmp/attention_quality_smoke.png" if smoke else DEFAULT_PNG)
     rows, dense = sweep(sz, impl)

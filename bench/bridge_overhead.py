@@ -19,7 +19,7 @@ Rows:
 The overhead rows are the bridged minus the plain medians.
 
 stdout holds one markdown table (its record: the hand-off section of
-bench/results/torch_path_h200.md); progress goes to stderr.
+bench/results/torch_path.md); progress goes to stderr.
 """
 
 from __future__ import annotations

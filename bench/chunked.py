@@ -18,9 +18,8 @@ Rows (bf16, Hq = 32 reading Hkv = 8 in place, D = 128, stride 8, chunk 4096, KV 
 (default "auto"; rows name them as `bench.estimate` does).
 `--small` shrinks every size (contexts by 8) for a CPU smoke run; there the default
 implementation is the reference and the floors mean nothing.
-The H200's records of these rows are kept in bench/results/estimate_h200.json, after
-`bench.estimate`'s (`--json` replaces a file: write a new run elsewhere and put its rows
-in that list in place of the old ones).
+Their records are kept in bench/results/estimate.json beside `bench.estimate`'s: `--json`
+merges a run's rows into a file by case, implementation and GPU (`bench.common.merge_json`).
 """
 
 from __future__ import annotations
@@ -33,9 +32,9 @@ import xattn_torch_bridge  # noqa: F401  first: configures JAX's GPU memory
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import (Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
-                          matmul_tflops, print_report, record, strided_flops, time_ms,
-                          write_json)
+from bench.common import (JSON_HELP, Sizes, floor_ms, jax_extra_mib,  # noqa: E402
+                          log, matmul_tflops, merge_json, print_report, record,
+                          strided_flops, time_ms)
 from bench.estimate import impl_label  # noqa: E402
 from xattn_jax import kv_block_scores, select_kv_blocks  # noqa: E402
 
@@ -105,7 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("--impls", default="auto",
                         help="comma-separated implementations of ours to time: auto, "
                              "triton, mosaic")
-    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--compare-original", metavar="PATH",
                         help="a checkout of mit-han-lab/x-attention to time side by side")
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU run")
@@ -129,7 +128,7 @@ def main(argv=None) -> None:
             log(f"{what} [{i + 1}/{len(contexts)}] context {context} tokens")
             records += run(f"{context // 1024}k", context, sz)
             if args.json:
-                write_json(args.json, records)
+                merge_json(args.json, records)
     print_report(records)
 
 

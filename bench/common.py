@@ -211,17 +211,49 @@ def print_report(records: list[dict]) -> None:
     print("\n" + report(records), end="")
 
 
-def write_json(path: str, records: list[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
+# the fields that identify a row of a shared record: one row per case, implementation and
+# GPU, whichever benchmark or run wrote it
+RECORD_KEY = ("case", "impl", "gpu")
+JSON_HELP = "merge the rows into this JSON record (by case, impl and gpu: merge_json)"
+
+
+def merge_json(path: str, records: list[dict], key: tuple[str, ...] = RECORD_KEY) -> None:
+    """Merges `records` into the JSON list of rows at `path` (made where there is none):
+    the stored rows with the key of a new row (its values of the `key` fields) are
+    replaced, where the first of them stood, by the new rows of that key; rows of new keys
+    are appended; the others stay. So benchmarks sharing a record (`bench.estimate` and
+    `bench.chunked`), and runs on other GPUs, keep each other's rows.
+
+    Raises ValueError, before writing, for a row without one of the key fields."""
+    for row in records:
+        missing = [field for field in key if row.get(field) is None]
+        if missing:
+            raise ValueError(f"records: every row needs the fields {key} (a GPU among "
+                             f"them), a row of {row.get('case')!r} lacks {missing}")
+    path = pathlib.Path(path)
+    stored = json.loads(path.read_text()) if path.exists() else []
+    new = {}
+    for row in records:
+        new.setdefault(tuple(row[field] for field in key), []).append(row)
+    merged, placed = [], set()
+    for row in stored:
+        row_key = tuple(row.get(field) for field in key)
+        if row_key not in new:
+            merged.append(row)
+        elif row_key not in placed:
+            merged += new[row_key]
+            placed.add(row_key)
+    merged += [row for row_key, rows in new.items() if row_key not in placed for row in rows]
+    path.write_text(json.dumps(merged, indent=1) + "\n")
 
 
 def write_outputs(records: list[dict], table: str, json_path: str | None,
-                  md_path: str | None) -> None:
-    """The markdown table on stdout, and the records and the table where paths are given."""
+                  md_path: str | None, key: tuple[str, ...] = RECORD_KEY) -> None:
+    """The markdown table on stdout; the records merged into `json_path` by `key`
+    (`merge_json`) and the table written to `md_path` where they are given."""
     print(table)
     if json_path:
-        write_json(json_path, records)
+        merge_json(json_path, records, key)
     if md_path:
         with open(md_path, "w") as f:
             f.write(table)

@@ -29,8 +29,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax.numpy as jnp  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
-from bench.common import (floor_ms, jax_extra_mib, log, matmul_tflops,  # noqa: E402
-                          print_report, record, time_ms, write_json)
+from bench.common import (JSON_HELP, floor_ms, jax_extra_mib, log,  # noqa: E402
+                          matmul_tflops, merge_json, print_report, record, time_ms)
 from xattn_jax import xattn_estimate  # noqa: E402
 
 PAIRED_ROUNDS = 3  # GQA and its MHA twin alternate (docs/tuning.md: gqa-paired-rounds)
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
                              "triton, mosaic")
     parser.add_argument("--max-scratch-mib", type=int,
                         help="xattn_estimate's max_scratch_bytes, in MiB")
-    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--compare-original", metavar="PATH",
                         help="a checkout of mit-han-lab/x-attention to time side by side")
     args = parser.parse_args(argv)
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
         records += rows
         notes += case_notes
         if args.json:  # after every case, so a cut-short run keeps what it measured
-            write_json(args.json, records)
+            merge_json(args.json, records)
     print_report(records)
     for note in notes:
         print(f"\n{note}")

@@ -1,8 +1,8 @@
 """One prefill of the real model in transformers: sdpa against XAttention through
 `xattn_torch_bridge.hf`, timed and compared in one run.
 
-    python -m bench.hf_prefill --json bench/results/hf_prefill_h200.json \\
-        --md bench/results/hf_prefill_h200.md
+    python -m bench.hf_prefill --json bench/results/hf_prefill.json \\
+        --md bench/results/hf_prefill.md
     python -m bench.hf_prefill --smoke      # CPU, float32, 512 tokens, block 64
 
 SmolLM2-135M-Instruct (`bench.smollm2`, loaded by transformers from its GGUF), bf16 on
@@ -17,7 +17,7 @@ ms: the median over `--reps` rounds (after `--warmup`; each round one forward of
 row, in turn) of one forward's time, `model(ids, logits_to_keep=1)` (a prefill: the last
 position's logits), by CUDA events around it (the wall time on the CPU). The bridged
 rows also have, from one more untimed forward of each row with every position's logits:
-`density` (`last_density()`: the share of the causally visible blocks computed, over
+`density` (`last_density`: the share of the causally visible blocks computed, over
 layers and heads); `bridged_calls` and `fallbacks` of that forward (every layer should go
 through the bridge); and against sdpa's logits over the second half's positions, `top1`
 (the share whose most likely next token is sdpa's) and `kl_mean` (mean KL(sdpa ||
@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import xattn_jax  # noqa: E402
 
 from bench import smollm2, texts  # noqa: E402
-from bench.common import commit, gpu_name, log, today, versions, write_outputs  # noqa: E402
+from bench.common import (JSON_HELP, commit, gpu_name, log, today, versions,  # noqa: E402
+                          write_outputs)
 
 TEXT = "licenses"
 NAME = "xattention"  # the registered attention implementation
@@ -138,14 +139,16 @@ def measure(run: Run) -> list[dict]:
     for name, handle in handles.items():
         handle.reset()
         got = forward(model, ids, name)
-        bridged[name] = {"density": handle.last_density(),
+        bridged[name] = {"density": handle.last_density,
                          "bridged_calls": handle.bridged_calls,
                          "fallbacks": handle.fallbacks,
                          "fallback_counts": handle.fallback_counts,
                          "layers": model.config.num_hidden_layers,
                          "settings": settings(options[name])} | agreement(dense, got)
-    meta = {"gpu": gpu_name(), "text": TEXT, "length": run.length,
-            "dtype": str(run.dtype).removeprefix("torch."), "reps": run.reps,
+    # no floor or memory figure for a whole model's forward
+    meta = {"gpu": gpu_name(), "floor_ms": None, "extra_mib": None, "text": TEXT,
+            "length": run.length, "dtype": str(run.dtype).removeprefix("torch."),
+            "reps": run.reps,
             "date": today(), "versions": versions(), "commit": commit()}
     case = f"smollm2-135m-prefill-{run.length}"
     return [{"case": case, "impl": impl, "ms": round(statistics.median(times[impl]), 4)}
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=8192, help="prompt tokens")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds")
     parser.add_argument("--reps", type=int, default=10, help="timed rounds")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--md", help="write the markdown table here")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, float32, 512 tokens, block 64: checks that it runs")

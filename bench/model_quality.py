@@ -52,9 +52,10 @@ import xattn_jax
 from bench import llama, smollm2, texts
 from xattn_jax import fp8
 from xattn_jax.calibrate import allocate, head_curves
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
+from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, THRESHOLD
 from bench.common import commit, gpu_name, log, today, versions, write_outputs
 
+QUALITY_KEY = ("setting", "text", "gpu")  # what identifies a record's row (merge_json)
 PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PASSKEY_KEYS = (71432, 38517, 90264, 46871, 25309, 63148, 17952, 84036, 52790)
 KEPT_NATS = 1.0  # a passkey is kept when its log-prob is at most this below dense's
@@ -489,7 +490,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: 512 tokens")
     parser.add_argument("--fp8-agreement", action="store_true",
                         help="also report the fp8 keys' mask agreement per layer")
-    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--json", help="merge the records into this JSON record (by "
+                        "setting, text and gpu: bench.common.merge_json)")
     parser.add_argument("--md", help="write the markdown table here")
     args = parser.parse_args(argv)
     reason = smollm2.missing()
@@ -521,7 +523,7 @@ def main(argv=None) -> None:
     table = markdown(records, header(records, command))
     if args.fp8_agreement:
         table += fp8_markdown(fp8_agreement(model, tokens))
-    write_outputs(records, table, args.json, args.md)
+    write_outputs(records, table, args.json, args.md, key=QUALITY_KEY)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.block_sums) with
+"""GPU check and timing of the Mosaic GPU block sums (xattn_jax.mosaic.estimate) with
 their default plans, one run.
 
     python -m bench.mosaic_estimate_check [--cases causal-32k,...] [--max-scratch-mib N]
@@ -39,10 +39,11 @@ import numpy as np  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
 from bench.common import floor_ms, time_ms  # noqa: E402
-from xattn_jax import impls, mosaic, reference  # noqa: E402
+from xattn_jax import mosaic, reference  # noqa: E402
 from xattn_jax.geometry import Geometry  # noqa: E402
-from xattn_jax.mosaic import block_sums as mosaic_block_sums  # noqa: E402
-from xattn_jax.mosaic.estimate_plan import estimate_plan  # noqa: E402
+from xattn_jax.mosaic.estimate import block_sums as mosaic_block_sums  # noqa: E402
+from xattn_jax.mosaic.estimate.plan import estimate_plan  # noqa: E402
+from xattn_jax.triton.backend import TritonBackend  # noqa: E402
 
 SMOKE_LIMIT_S = 180
 RTOL = 5e-5  # the GPU tests' float32 bound (tests/cases.py: 1e-5 x GPU_SLACK)
@@ -87,7 +88,7 @@ def reference_sums(q, k, geom: Geometry, causal: bool) -> np.ndarray:
 
 
 def triton_sums(geom: Geometry, causal: bool, bound: int | None = None):
-    triton = impls.Implementation("triton")
+    triton = TritonBackend()
     return jax.jit(functools.partial(triton.block_sums, geom=geom, causal=causal, norm=1.0,
                                      max_scratch_bytes=bound))
 
@@ -146,11 +147,11 @@ def run_checks() -> None:
 def _kernel_only(geom: Geometry, plan):
     """The Mosaic kernel alone on pre-padded, pre-reshaped q and k (no epilogue), all
     keys in use, the call's first row and head 0."""
-    from xattn_jax.mosaic import tile_stats
+    from xattn_jax.mosaic.estimate import kernel
     from xattn_jax.row_statistics import LOG2_E
 
     scalars = jnp.array([geom.k_cols * STRIDE, 0, 0], jnp.int32)
-    run = jax.jit(lambda q5, k5: tile_stats.tile_stats(
+    run = jax.jit(lambda q5, k5: kernel.tile_stats(
         q5, k5, None, None, scalars, plan=plan, scale=geom.scale * LOG2_E))
 
     def strided(x, length):

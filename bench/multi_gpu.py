@@ -22,7 +22,7 @@ kernel steps: float rounding).
 
 On the 2-GPU machine (after `pip install -e '.[test]'` with jax[cuda13]):
 
-    python -m bench.multi_gpu --json bench/results/multi_gpu_h200x2.json
+    python -m bench.multi_gpu --json bench/results/multi_gpu.json
 
 4 and 8 GPUs follow the same rules (xattn_jax/partitioning.py): Hkv = 8 divides into 2,
 4 or 8 head shards, so every GPU holds whole KV groups (its Hq / n query heads and their
@@ -42,7 +42,8 @@ import dataclasses
 import os
 import sys
 
-from bench.common import Sizes  # stdlib only: JAX stays unimported until --smoke's flags
+# stdlib only: JAX stays unimported until --smoke's flags
+from bench.common import JSON_HELP, Sizes, log, merge_json, print_report
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
                "reduce-scatter")
@@ -86,7 +87,7 @@ def run_case(name: str, case: Case, sz: Sizes) -> list[dict]:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from bench.common import floor_ms, jax_extra_mib, log, record, strided_flops, time_ms
+    from bench.common import floor_ms, jax_extra_mib, record, strided_flops, time_ms
 
     devices = jax.local_devices()
     n = len(devices)
@@ -140,7 +141,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES),
                         help="comma-separated, from: " + ", ".join(CASES))
-    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--smoke", action="store_true",
                         help=f"tiny sizes on {SMOKE_DEVICES} simulated CPU devices")
     args = parser.parse_args(argv)
@@ -155,9 +156,6 @@ def main(argv=None) -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
                                    f"platform_device_count={SMOKE_DEVICES}").strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-    from bench.common import log, print_report, write_json
-
     sz = SMOKE if args.smoke else FULL
     records = []
     for i, name in enumerate(names):
@@ -168,7 +166,7 @@ def main(argv=None) -> None:
         log(f"[{i + 1}/{len(names)}] {name}")
         records += run_case(name, case, sz)
         if args.json:
-            write_json(args.json, records)
+            merge_json(args.json, records)
     print_report(records)
     print("\n| case | impl | speed-up | collectives |\n|---|---|---|---|")
     for r in records:

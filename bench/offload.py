@@ -1,7 +1,7 @@
 """Chunked prefill over a KV cache offloaded to host memory, three ways side by side.
 
-    python -m bench.offload --prompts 32k,64k,128k --json bench/results/offload_h200.json \\
-        --md bench/results/offload_h200.md
+    python -m bench.offload --prompts 32k,64k,128k --json bench/results/offload.json \\
+        --md bench/results/offload.md
     python -m bench.offload --smoke        # the CPU, tiny sizes, in seconds
 
 The seed engine's scenario on one attention layer: a prompt of N tokens prefilled in
@@ -58,8 +58,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.chunked import tokens  # noqa: E402
-from bench.common import (MATMUL_FLOPS, log, matmul_tflops, record,  # noqa: E402
-                          strided_flops, write_json)
+from bench.common import (JSON_HELP, MATMUL_FLOPS, log, matmul_tflops,  # noqa: E402
+                          merge_json, record, strided_flops)
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 
 WAYS = ("load-all", "seed", "shadow")
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                                           "--smoke 32k, scaled down 16 times)")
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--resident", type=int, help="recent pages kept on the device")
-    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--md", help="write the markdown table here")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: pages of 256")
     args = parser.parse_args(argv)
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     for length in prompts:
         rows += prompt_rows(length, sc, device, rate, tflops)
         if args.json:
-            write_json(args.json, rows)
+            merge_json(args.json, rows)
     command = "python -m bench.offload " + " ".join(sys.argv[1:] if argv is None else argv)
     table = markdown(rows, rate, command.strip())
     print(table)

@@ -1,10 +1,10 @@
 """Plots each case's time over its floor for the original, the Triton and the Mosaic GPU
 kernels, from `bench.estimate --json` / `bench.chunked --json` records (one file holding
-both, as bench/results/estimate_h200.json does, or several files, read in order).
+both, as bench/results/estimate.json does, or several files, read in order).
 
     python -m bench.plot_side_by_side RESULTS.json [MORE.json ...] OUT.png
-    python -m bench.plot_side_by_side bench/results/estimate_h200.json \
-        bench/results/side_by_side_h200.png
+    python -m bench.plot_side_by_side bench/results/estimate.json \
+        bench/results/side_by_side.png
 
 One group of bars a case (in the records' order), one bar an implementation (a record's
 `impl` up to its first " (", so that labelled records of several calls group together);

@@ -1,7 +1,7 @@
 """Plots time against block size from `bench.estimate --json` records, ours and the original's.
 
     python -m bench.plot_sweep RESULTS.json [MORE.json ...] OUT.png
-    python -m bench.plot_sweep bench/results/estimate_h200.json sweep.png
+    python -m bench.plot_sweep bench/results/estimate.json sweep.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Torch callers against the kernel: select_blocks, eager dispatch, the bridged estimate.
 
-    python -m bench.torch_path --json bench/results/torch_path_h200.json
+    python -m bench.torch_path --json bench/results/torch_path.json
     python -m bench.torch_path --smoke          # tiny sizes on the CPU: checks it runs
 
 The chunked-prefill shape of `bench.chunked` (bf16, Hq 32 reading Hkv 8, D 128, chunk
@@ -58,8 +58,8 @@ import xattn_jax  # noqa: E402
 
 from bench.bridge_overhead import host_us  # noqa: E402
 from bench.chunked import FULL, SMALL, floor_of, kernel_rows, tokens  # noqa: E402
-from bench.common import (Sizes, floor_ms, log, print_report, record,  # noqa: E402
-                          strided_flops, time_ms, write_json)
+from bench.common import (JSON_HELP, Sizes, floor_ms, log, merge_json,  # noqa: E402
+                          print_report, record, strided_flops, time_ms)
 
 SELECT_SLACK_MS = 0.12  # target: select_blocks over the kernel
 HOST_SLACK_MS = 0.04  # target: eager over pre-jitted; bridged over plain host time
@@ -332,7 +332,7 @@ def handoff_rows(run: Run) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="16k,64k,128k")
-    parser.add_argument("--json", help="write one record per row to this path")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU (contexts / 8), to check that it runs")
     args = parser.parse_args(argv)
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     def save(new: list[dict]) -> None:
         records.extend(new)
         if args.json:
-            write_json(args.json, records)
+            merge_json(args.json, records)
 
     for i, text in enumerate(run.contexts):
         context = tokens(text) // run.scale

@@ -1,7 +1,7 @@
 """One attention layer's call: bridged XAttention and the transformers layer call against
 plain JAX, in one run.
 
-    python -m bench.xattention_overhead --json PATH
+    python -m bench.xattention_overhead --json bench/results/torch_path.json
     python -m bench.xattention_overhead --smoke      # tiny sizes on the CPU: checks it runs
 
 SmolLM2-135M's attention shapes (B 1, Hq 9 reading Hkv 3, D 64, bf16), causal, threshold
@@ -27,8 +27,8 @@ within TARGET_MS of `plain`'s `ms`.
 the reference computes, and the bridged rows' host time includes the computation
 (`to_torch` waits for JAX's result on the CPU).
 
-Its record is a section of bench/results/torch_path_h200.md, beside the other torch-path
-records, with its rows in bench/results/xattention_overhead.json.
+Its record is a section of bench/results/torch_path.md, beside the other torch-path
+records, with its rows in bench/results/torch_path.json (`--json` merges them in).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 import xattn_jax  # noqa: E402
 
-from bench.common import commit, log, today, versions  # noqa: E402
+from bench.common import JSON_HELP, commit, log, merge_json, today, versions  # noqa: E402
 
 TARGET_MS = 0.1  # bridged over plain per call, back to back: the bound set for the bridge
 BATCH, Q_HEADS, KV_HEADS, HEAD_DIM = 1, 9, 3, 64  # SmolLM2-135M's attention
@@ -187,7 +186,7 @@ def print_table(rows: list[dict], run: Run) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="8192,32768")
-    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU, to check that every row runs")
     args = parser.parse_args(argv)
@@ -202,12 +201,13 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     rows = []
-    stamp = dict(gpu=device_name(run), date=today(), versions=versions(), commit=commit())
+    # no floor or memory figure: the rows compare calls' host and device time
+    stamp = dict(gpu=device_name(run), floor_ms=None, extra_mib=None, date=today(),
+                 versions=versions(), commit=commit())
     for length in run.lengths:
         rows.extend(length_rows(length, run))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump([dict(r, **stamp) for r in rows], f, indent=1)
+            merge_json(args.json, [dict(r, **stamp) for r in rows])
     print_table(rows, run)
     return 0
 

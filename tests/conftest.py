@@ -37,6 +37,8 @@ import mosaic_interpret  # noqa: E402
 from bench.cases import paged_pools  # noqa: E402
 from xattn_jax import impls, reference  # noqa: E402
 from xattn_jax.geometry import Geometry, next_pow2  # noqa: E402
+from xattn_jax.mosaic.backend import MosaicBackend  # noqa: E402
+from xattn_jax.triton.backend import TritonBackend  # noqa: E402
 from xattn_jax.triton.block_sums import block_sums as triton_block_sums  # noqa: E402
 from xattn_jax.triton.plan import (BLOCK_SUM_KERNELS, MIN_SIDE, Plan, Tiles,  # noqa: E402
                                    plan_block_sums, plan_strided_scores)
@@ -156,12 +158,11 @@ class Impl:
         self.api, _, kernel = name.partition("/")
         self.kernel = kernel or None
         self.is_kernel = self.api != "reference"
+        self.interpret = self.is_kernel and not on_gpu()
         if self.api == "mosaic":
-            self.impl = impls.Implementation("mosaic")
-            self.interpret = not on_gpu()
+            self.impl = MosaicBackend(companion=TritonBackend.for_device(None))
         else:
             self.impl = impls.resolve(self.api)
-            self.interpret = self.impl.interpret
 
     def __repr__(self) -> str:
         return f"Impl({self.name})"
@@ -187,7 +188,7 @@ class Impl:
     def _mosaic_block_sums(self, q, k, geom: Geometry, *, causal: bool,
                            norm: float) -> np.ndarray:
         from xattn_jax import mosaic
-        from xattn_jax.mosaic.estimate_plan import unsupported_reason
+        from xattn_jax.mosaic.estimate.plan import unsupported_reason
 
         reason = (mosaic_interpret.unsupported_reason() if self.interpret
                   else mosaic.available())

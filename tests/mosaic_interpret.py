@@ -12,10 +12,10 @@ supplies the two, for its duration only:
 - the interpreter's wgmma rule accepts an array left operand: acc += a @ b, with b and acc
   read from the simulated memory.
 
-The forced GPU interpret mode applies to every `pallas_call` traced within, the Triton-backend
-statistics epilogue (`xattn_jax.triton.stats_epilogue`) included, whose blocked windows the
-Mosaic GPU interpreter refuses (jax 0.12); within, that kernel runs in Pallas' own interpret
-mode instead, so that a call's whole path is still checked.
+The forced GPU interpret mode applies to every `pallas_call` traced within, the
+Triton-backend statistics epilogue (`xattn_jax.mosaic.estimate.stats_epilogue`) included,
+whose blocked windows the Mosaic GPU interpreter refuses (jax 0.12); within, that kernel
+runs in Pallas' own interpret mode instead, so that a call's whole path is still checked.
 
 Test-only: it replaces private jax internals, so `unsupported_reason()` says when this jax
 does not have them.
@@ -157,7 +157,7 @@ class _PallasWithScopedRunState:
 
 @contextlib.contextmanager
 def interpret_kernel(detect_races: bool = True):
-    """Within: calls of `xattn_jax.mosaic.kernel` run in GPU interpret mode on CPU, the
+    """Within: calls of `xattn_jax.mosaic.attention.kernel` run in GPU interpret mode on CPU, the
     statistics epilogue's kernel in Pallas' interpret mode. Yields
     a function returning whether the race detector found a race. Clears jax's caches on
     exit so that no interpreted trace is reused outside."""
@@ -165,8 +165,8 @@ def interpret_kernel(detect_races: bool = True):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from xattn_jax.mosaic import kernel
-    from xattn_jax.triton import stats_epilogue as epilogue
+    from xattn_jax.mosaic.attention import kernel
+    from xattn_jax.mosaic.estimate import stats_epilogue as epilogue
 
     interpreter = jaxpr_interpret.JaxprInterpreter
     original_rule = interpreter._interpret_wgmma_ref_p

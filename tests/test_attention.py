@@ -16,7 +16,8 @@ import np_attention as npa
 import xattn_jax
 from cases import AttentionCase
 from xattn_jax import impls, mosaic, partitioning
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS
+from xattn_jax.backend import AttentionCall
+from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS
 from xattn_jax.reference.attention import block_sparse_attention as reference_attention
 
 F32_TOL = dict(rtol=2e-5, atol=2e-5)  # outputs are averages of N(0, 1) values
@@ -357,7 +358,7 @@ BAD = {  # name -> (argument index or keyword, value, words the error must conta
     "k-len-long": ("k_len", 41, "k_len must lie in [Lq, Lk]"),
     "k-len-float": ("k_len", jnp.float32(30), "k_len must be None, an int"),
     "impl-unknown": ("impl", "pallas", "impl must be one of"),
-    "impl-triton": ("impl", "triton", "has no block-sparse attention kernel"),
+    "impl-triton": ("impl", "triton", "has no block_sparse_attention kernel"),
     "block-table-dtype": ("block_table", jnp.zeros((1, 5), jnp.float32), "block_table"),
 }
 
@@ -413,27 +414,32 @@ def test_mosaic_refused_where_unavailable():
 
 
 def test_impl_choice(monkeypatch):
-    """The implementation table's choice for attention (xattn_jax.impls), with the Mosaic
-    kernel's availability stubbed: pages that are not whole key tiles go to the reference
-    ("auto") or are refused ("mosaic")."""
+    """The backends' choice for attention (xattn_jax.impls), with the Mosaic kernel's
+    availability stubbed: "auto" and "mosaic" resolve to the Mosaic backend where it runs,
+    "auto" to the reference elsewhere; the Mosaic backend hands pages that are not whole
+    key tiles to the reference ("auto") or refuses them ("mosaic")."""
     gpu = types.SimpleNamespace(platform="gpu")
 
-    def choose(impl, device=gpu, page_size=None):
-        args = (128, 128, jnp.bfloat16, 128, page_size)  # D, Dv, dtype, block, page
-        return impls.resolve(impl, op=impls.ATTENTION, device=device,
-                             attention_args=args).name
+    def choose(impl):
+        return impls.resolve(impl, ops=impls.ATTENTION, device=gpu)
+
+    def runs(impl, page_size=None):
+        """The backend that runs a call of D 128, bf16, blocks of 128."""
+        call = AttentionCall(128, 128, jnp.bfloat16, 128, page_size)
+        return choose(impl).attention_backend(call).name
 
     monkeypatch.setattr(mosaic, "available", lambda device=None: None)
-    assert choose("auto") == choose("mosaic") == "mosaic"
-    assert choose("reference") == "reference"
-    assert choose("auto", page_size=256) == choose("mosaic", page_size=4096) == "mosaic"
-    assert choose("auto", page_size=16) == "reference"
+    assert choose("auto").name == choose("mosaic").name == "mosaic"
+    assert choose("reference").name == runs("reference") == "reference"
+    assert runs("auto") == runs("mosaic") == "mosaic"
+    assert runs("auto", page_size=256) == runs("mosaic", page_size=4096) == "mosaic"
+    assert runs("auto", page_size=16) == "reference"
     with pytest.raises(ValueError, match="pages hold a multiple of its key tile of 128"):
-        choose("mosaic", page_size=64)
-    with pytest.raises(ValueError, match="no block-sparse attention kernel"):
+        runs("mosaic", page_size=64)
+    with pytest.raises(ValueError, match="no block_sparse_attention kernel"):
         choose("triton")
     monkeypatch.setattr(mosaic, "available", lambda device=None: "needs a Hopper GPU")
-    assert choose("auto") == "reference"
+    assert choose("auto").name == "reference"
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         choose("mosaic")
 

@@ -1,5 +1,7 @@
-"""bench.common's records name the commit they ran on (CPU only: no kernel runs)."""
+"""bench.common's records name the commit they ran on and merge into shared records (CPU
+only: no kernel runs)."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -28,3 +30,34 @@ def test_commit_outside_a_checkout_is_none(monkeypatch):
 
     monkeypatch.setattr(common.subprocess, "run", no_git)
     assert common.commit() is None
+
+
+def _row(case, impl, gpu, ms):
+    return {"case": case, "impl": impl, "gpu": gpu, "ms": ms}
+
+
+def test_merge_json_replaces_rows_by_case_impl_and_gpu(tmp_path):
+    """A run replaces its own rows where they stood and appends new ones; another
+    benchmark's rows, and the same case's rows of another GPU, stay."""
+    path = tmp_path / "estimate.json"
+    common.merge_json(path, [_row("causal-32k", "mosaic", "NVIDIA H200", 1.0),
+                             _row("chunk4096-ctx64k", "mosaic", "NVIDIA H200", 0.5)])
+    common.merge_json(path, [_row("causal-32k", "mosaic", "NVIDIA H100 80GB HBM3", 1.2)])
+    common.merge_json(path, [_row("causal-32k", "mosaic", "NVIDIA H200", 0.9),
+                             _row("causal-64k", "mosaic", "NVIDIA H200", 3.9)])
+    assert json.loads(path.read_text()) == [
+        _row("causal-32k", "mosaic", "NVIDIA H200", 0.9),
+        _row("chunk4096-ctx64k", "mosaic", "NVIDIA H200", 0.5),
+        _row("causal-32k", "mosaic", "NVIDIA H100 80GB HBM3", 1.2),
+        _row("causal-64k", "mosaic", "NVIDIA H200", 3.9)]
+
+
+def test_merge_json_takes_another_key_and_refuses_rows_without_their_gpu(tmp_path):
+    path = tmp_path / "quality.json"
+    quality = [{"setting": "dense", "text": "licenses", "gpu": "cpu", "top1": 1.0}]
+    common.merge_json(path, quality, key=("setting", "text", "gpu"))
+    common.merge_json(path, [dict(quality[0], top1=0.5)], key=("setting", "text", "gpu"))
+    assert json.loads(path.read_text()) == [dict(quality[0], top1=0.5)]
+    with pytest.raises(ValueError, match=r"lacks \['gpu'\]"):
+        common.merge_json(path, [{"case": "causal-32k", "impl": "mosaic", "ms": 1.0}])
+    assert json.loads(path.read_text()) == [dict(quality[0], top1=0.5)]  # not written

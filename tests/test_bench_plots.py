@@ -60,9 +60,9 @@ def test_records_of_several_files_plot_together(tmp_path):
 
 
 def test_the_estimate_record_plots_its_chunk_rows_in_one_file(tmp_path):
-    """bench/results/estimate_h200.json holds `bench.estimate`'s and `bench.chunked`'s
+    """bench/results/estimate.json holds `bench.estimate`'s and `bench.chunked`'s
     records: one bar a case and an implementation, the chunk cases among them."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "bench/results/estimate_h200.json"
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench/results/estimate.json"
     records, _, _ = records_and_output([str(path), str(tmp_path / "out.png")], "usage")
     cases = [t.get_text() for t in side_by_side_figure(records).axes[0].get_xticklabels()]
     assert "causal-32k" in cases and "chunk4096-ctx64k" in cases

@@ -124,13 +124,28 @@ def test_repeated_xattention_calls_skip_the_checks(rand, monkeypatch):
         bridge.xattention(q, k, v, **dict(kwargs, norm=[1.0]))
 
 
-def test_grad_inputs_are_detached(rand):
+def test_forward_only(rand):
+    """Inputs that require grad are refused while grad mode is on (the output could carry
+    no graph), naming the input; under no_grad or inference_mode they are read as they
+    are."""
     q, k, v, mask = qkv_mask(rand)
-    got = bridge.block_sparse_attention(q.requires_grad_(), k, v.requires_grad_(), mask,
-                                        block_size=BLOCK)
-    assert not got.requires_grad
-    assert_same((got,), (bridge.block_sparse_attention(q.detach(), k, v.detach(), mask,
-                                                       block_size=BLOCK),), rand)
+    want = bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match=r"q requires grad, but this call is forward only.*"
+                                         r"torch\.no_grad\(\) or torch\.inference_mode\(\)"):
+        bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK)
+    with pytest.raises(ValueError, match="v requires grad.*forward only"):
+        bridge.xattention(q.detach(), k, v.detach().requires_grad_(), block_size=BLOCK,
+                          causal=False)
+    with pytest.raises(ValueError, match="q requires grad.*forward only"):
+        bridge.xattention(q, k, v, block_size=BLOCK, causal=False)
+    with torch.no_grad():
+        got = bridge.block_sparse_attention(q, k, v, mask, block_size=BLOCK)
+    with torch.inference_mode():
+        out = bridge.xattention(q, k, v, block_size=BLOCK, causal=False)
+    assert not got.requires_grad and not out.requires_grad
+    assert out.shape == (*q.shape[:3], v.shape[-1])
+    assert_same((got,), (want,), rand)
 
 
 def test_non_contiguous_needs_copy(rand):

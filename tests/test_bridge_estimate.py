@@ -17,7 +17,7 @@ import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bridge_inputs import jax_of, needs_cuda, qk  # noqa: E402
 from cases import BRIDGE, GPU_GQA, GPU_SMALL, EstimateCase  # noqa: E402
-from xattn_jax import impls  # noqa: E402
+from xattn_jax.reference.backend import ReferenceBackend  # noqa: E402
 from xattn_torch_bridge import estimate  # noqa: E402
 
 GQA = BRIDGE["causal-gqa"]
@@ -56,7 +56,7 @@ def test_compiled_once_per_shape(rand):
     kwargs = dict(COMPILE_ONCE.options, impl="reference")
     q, k = qk(rand, COMPILE_ONCE)
     # the bridge's jit, for the implementation it resolves for CPU tensors
-    compiled = estimate.compiled_estimate(dict(kwargs, impl=impls.Implementation("reference")))
+    compiled = estimate.compiled_estimate(dict(kwargs, impl=ReferenceBackend()))
     before = compiled._cache_size()
     first = bridge.xattn_estimate(q, k, **kwargs)
     assert compiled._cache_size() == before + 1
@@ -76,13 +76,19 @@ def test_threshold_tensor_equals_list(rand):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_grad_inputs_are_detached(rand):
+def test_forward_only(rand):
+    """An input that requires grad is refused while grad mode is on, naming it; under
+    no_grad it is read as it is."""
     kwargs = GQA.options
     q, k = qk(rand, GQA)
-    sums, mask = bridge.xattn_estimate(q.requires_grad_(), k, impl="reference", **kwargs)
+    want = bridge.xattn_estimate(q, k, impl="reference", **kwargs)
+    with pytest.raises(ValueError, match=r"k requires grad, but this call is forward only"):
+        bridge.xattn_estimate(q, k.requires_grad_(), impl="reference", **kwargs)
+    with torch.no_grad():
+        sums, mask = bridge.xattn_estimate(q.requires_grad_(), k, impl="reference",
+                                           **kwargs)
     assert not sums.requires_grad
-    assert torch.equal(sums, bridge.xattn_estimate(q.detach(), k, impl="reference",
-                                                   **kwargs)[0])
+    assert torch.equal(sums, want[0]) and torch.equal(mask, want[1])
 
 
 def test_non_contiguous_needs_copy(rand):

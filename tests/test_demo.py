@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import xattn_jax
 from xattn_jax import demo
+from xattn_jax.demo import cli
 from xattn_jax.demo.recall import coverage
 from xattn_jax.demo.synthetic import structured_qk
 
@@ -50,6 +52,20 @@ def test_bad_flags_exit_with_a_clear_message(tmp_path, capsys, flags, message):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "demo.png").exists()
+
+
+def test_without_matplotlib_the_demo_stops_before_computing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    monkeypatch.setattr(cli, "structured_qk", _no_work)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(TINY + ["--out", str(tmp_path / "demo.png")])
+    assert exit_info.value.code == 2
+    assert "needs matplotlib: pip install 'xattn-jax[demo]'" in capsys.readouterr().err
+    assert not (tmp_path / "demo.png").exists()
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the demo computed before finding matplotlib missing")
 
 
 def test_missing_output_directory_is_refused(tmp_path, capsys):

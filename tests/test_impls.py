@@ -1,5 +1,5 @@
-"""The implementation table (`xattn_jax.impls`): names, where each runs, and the refusal
-of an implementation that cannot run where the inputs live."""
+"""The backends by name (`xattn_jax.impls`): names, where each runs, and the refusal of a
+backend that cannot run where the inputs live."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import pytest
 import np_reference as npr
 import xattn_jax
 from xattn_jax import impls, mosaic
+from xattn_jax.mosaic.backend import MosaicBackend, block_sums_plan
+from xattn_jax.reference.backend import ReferenceBackend
+from xattn_jax.triton.backend import TritonBackend
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -26,11 +29,11 @@ def test_names():
         impls.resolve("pallas")
 
 
-def _gpu_auto() -> impls.Implementation:
+def _gpu_auto():
     """What "auto" resolves to for the estimate on this machine's first GPU."""
     if mosaic.available(jax.devices("gpu")[0]) is None:
-        return impls.Implementation("mosaic", fallback=True)
-    return impls.Implementation("triton")
+        return MosaicBackend(companion=TritonBackend(), fallback=True)
+    return TritonBackend()
 
 
 def test_auto_follows_the_device_the_inputs_live_on():
@@ -39,9 +42,9 @@ def test_auto_follows_the_device_the_inputs_live_on():
     kernels for the calls they do not take), Triton's elsewhere."""
     q, _ = _qk()
     on_cpu = jax.device_put(q, jax.devices("cpu")[0])
-    assert impls.resolve("auto", on_cpu) == impls.Implementation("reference")
-    assert impls.resolve("triton", on_cpu) == impls.Implementation("triton", interpret=True)
-    assert impls.resolve("reference", q) == impls.Implementation("reference")
+    assert impls.resolve("auto", on_cpu) == ReferenceBackend()
+    assert impls.resolve("triton", on_cpu) == TritonBackend(interpret=True)
+    assert impls.resolve("reference", q) == ReferenceBackend()
     if ON_GPU:
         on_gpu = jax.device_put(q, jax.devices("gpu")[0])
         assert impls.resolve("auto", on_gpu) == _gpu_auto()
@@ -56,7 +59,7 @@ def test_inside_a_trace_the_default_backend_decides():
         return q
 
     f(_qk()[0])
-    assert seen == [_gpu_auto() if ON_GPU else impls.Implementation("reference")]
+    assert seen == [_gpu_auto() if ON_GPU else ReferenceBackend()]
 
 
 @pytest.mark.skipif(mosaic.available() is None, reason="Mosaic GPU runs here")
@@ -115,7 +118,7 @@ def test_calls_the_mosaic_block_sums_do_not_take(fallback):
     k = jnp.asarray(rng.standard_normal((1, 1, 256, 16)), jnp.float32)
     geom = xattn_jax.checks.check_qk(q, k, stride=8, block_size=64, causal=False)
     key_len = jnp.int32(200)
-    impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=fallback)
+    impl = MosaicBackend(companion=TritonBackend(interpret=not ON_GPU), fallback=fallback)
 
     def block_sums():
         return impl.block_sums(q, k, geom=geom, causal=False, norm=1.0, key_len=key_len)
@@ -130,12 +133,33 @@ def test_calls_the_mosaic_block_sums_do_not_take(fallback):
                                atol=2e-5 * float(want.max()))
 
 
+@pytest.mark.parametrize("fallback", [True, False])
+def test_attention_calls_the_mosaic_kernel_does_not_take(fallback):
+    """The Mosaic backend "auto" resolves to on Hopper (`fallback`) runs an attention call
+    its kernel does not take (float32 here) on the reference; "mosaic" asked for by name
+    refuses it, naming the rule. No Mosaic GPU code runs."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 2, 128, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 1, 256, 64)), jnp.float32)
+    mask = jnp.asarray(rng.random((1, 2, 1, 2)) < 0.7)
+    impl = MosaicBackend(companion=TritonBackend(interpret=not ON_GPU), fallback=fallback)
+    options = dict(block_size=128, causal=True, scale=None, return_lse=False)
+    if not fallback:
+        with pytest.raises(ValueError, match="bfloat16 or float16.*'reference' or 'auto'"):
+            impl.block_sparse_attention(q, k, k, mask, **options)
+        return
+    want = ReferenceBackend().block_sparse_attention(q, k, k, mask, **options)
+    np.testing.assert_array_equal(np.asarray(impl.block_sparse_attention(q, k, k, mask,
+                                                                         **options)),
+                                  np.asarray(want))
+
+
 def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     """A call the Mosaic block sums take, but in fewer CTAs than `auto_min_ctas` (one row
     tile of 128 reshaped rows x 2 heads here): "auto"'s Mosaic implementation runs the
     Triton kernel (interpret mode off a GPU), which gives the reference's block sums. No
     Mosaic GPU code runs."""
-    from xattn_jax.mosaic import estimate_plan, heuristics
+    from xattn_jax.mosaic.estimate import heuristics, plan as estimate_plan
 
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 2, 256, 128)), jnp.bfloat16)
@@ -144,7 +168,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     assert estimate_plan.unsupported_reason(geom, jnp.bfloat16, causal=True) is None
     plan = estimate_plan.estimate_plan(geom, jnp.bfloat16, causal=True)
     assert plan.ctas == 2 < heuristics.auto_min_ctas(plan.sms)
-    impl = impls.Implementation("mosaic", interpret=not ON_GPU, fallback=True)
+    impl = MosaicBackend(companion=TritonBackend(interpret=not ON_GPU), fallback=True)
     got = impl.block_sums(q, k, geom=geom, causal=True, norm=1.0)
     want = xattn_jax.reference.block_sums(q, k, geom, causal=True, norm=1.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-5,
@@ -153,7 +177,7 @@ def test_auto_gives_calls_of_few_ctas_to_the_triton_kernel():
     # 64 row tiles do in 2 key groups
     for heads, groups in ((32, 1), (16, 2)):
         chunk = xattn_jax.geometry.Geometry(1, heads, heads // 4, 4096, 131072, 128, 8, 1024)
-        plan, reason = impls._mosaic_plan(chunk, jnp.bfloat16, False, True, None, None,
-                                          auto=True)
+        plan, reason = block_sums_plan(chunk, jnp.bfloat16, False, True, None, None,
+                                       auto=True)
         assert reason is None and (plan.key_groups, plan.ctas) == (groups, 128)
     assert 64 < heuristics.auto_min_ctas(plan.sms) <= 128

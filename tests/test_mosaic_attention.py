@@ -25,8 +25,8 @@ import pytest
 
 from cases import AttentionCase
 from xattn_jax import mosaic
-from xattn_jax.mosaic import attention
-from xattn_jax.mosaic.plan import AttentionPlan
+from xattn_jax.mosaic.attention import block_sparse_attention as attention
+from xattn_jax.mosaic.attention.plan import AttentionPlan
 
 needs_hopper = pytest.mark.skipif(mosaic.available() is not None,
                                   reason=str(mosaic.available()))

@@ -1,4 +1,4 @@
-"""The Mosaic GPU block sums (xattn_jax.mosaic.block_sums): the plan's contract, the grid
+"""The Mosaic GPU block sums (xattn_jax.mosaic.estimate): the plan's contract, the grid
 tables the kernel walks, the epilogues, the lowering for CUDA and the kernel itself.
 
 The kernel's numerics on the shared cases run in tests/test_block_sums.py (`kernel_impl`
@@ -27,8 +27,8 @@ from cases import F32_RTOL
 from xattn_jax import impls, mosaic, reference, row_statistics
 from xattn_jax.checks import check_qk
 from xattn_jax.geometry import Geometry
-from xattn_jax.mosaic import block_sums, grid, heuristics
-from xattn_jax.mosaic.estimate_plan import STAT_BYTES, estimate_plan, unsupported_reason
+from xattn_jax.mosaic.estimate import block_sums, grid, heuristics
+from xattn_jax.mosaic.estimate.plan import STAT_BYTES, estimate_plan, unsupported_reason
 
 BF16 = jnp.bfloat16
 MIB = 1 << 20
@@ -398,7 +398,7 @@ def _epilogue_block_sums(plan, cols: int, first_row: int, sees_keys: bool,
                          interpret: bool, rng) -> tuple[np.ndarray, np.ndarray]:
     """Block sums of random statistics in `plan`'s layout (NaN at tiles a row tile does
     not see): the Triton-backend epilogue kernel's and XLA's."""
-    from xattn_jax.triton import stats_epilogue
+    from xattn_jax.mosaic.estimate import stats_epilogue
 
     geom = plan.geom
     q_blocks = plan.call_rows // geom.block_rows if plan.call_rows else geom.q_blocks

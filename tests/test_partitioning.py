@@ -355,4 +355,4 @@ def test_under_vmap(impl):
 
 def test_layout_must_fit_the_operand():
     with pytest.raises(ValueError, match="rank 3"):
-        partitioning.on_shards(lambda x: x, ("B H . .",))(jnp.zeros((1, 2, 3)))
+        partitioning.on_shards(lambda x: x, ("B H . .",), name="identity")(jnp.zeros((1, 2, 3)))

@@ -9,8 +9,8 @@ import pytest
 
 import xattn_jax
 from xattn_jax import sampled_rows
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS
 from xattn_jax.calibrate import head_curves
+from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS
 
 
 def model_mass(q, k, *, block_size: int, rows: int, causal: bool, scale=None):

@@ -4,9 +4,10 @@ Public API: `xattn_estimate` (the whole estimate), and its stages `strided_score
 `select_blocks`; `kv_block_scores` and `select_kv_blocks` (chunked prefill over a KV
 cache); `block_sparse_attention` (attention on a block mask) and `xattention` (the
 estimate, then that attention); `calibrate` (per-head thresholds for a model, from sample
-text); `sampled_block_mass` (block scores from the exact attention of sampled query rows,
-which `xattention(estimate="sampled-rows")` selects on); `xattn_jax.reference` is the
-plain-JAX source of truth.
+text; it warns with `DensityNotReachedWarning` where its target cannot be reached);
+`sampled_block_mass` (block scores from the exact attention of sampled query rows, which
+`xattention(estimate="sampled-rows")` selects on); `xattn_jax.reference` is the plain-JAX
+source of truth.
 `ragged_xattention` runs XAttention for a whole serving step: many sequences' chunks and
 decode rows packed in one call over one paged cache (`xattn_jax.ragged`).
 `checked(fn)` runs `fn` with the values that are data (traced thresholds, key counts,
@@ -17,7 +18,7 @@ distribution's version.
 
 from xattn_jax.api import select_blocks, strided_scores, xattn_estimate
 from xattn_jax.attention import block_sparse_attention, xattention
-from xattn_jax.calibrate import calibrate
+from xattn_jax.calibrate import DensityNotReachedWarning, calibrate
 from xattn_jax.checks import checked
 from xattn_jax.fp8 import Fp8Keys, quantize_keys
 from xattn_jax.geometry import Geometry
@@ -45,7 +46,7 @@ def _version() -> str:
 
 __version__ = _version()
 
-__all__ = ["Fp8Keys", "Geometry", "RaggedMask", "block_sparse_attention", "calibrate",
-           "checked", "kv_block_scores", "quantize_keys", "ragged_xattention",
-           "sampled_block_mass", "select_blocks", "select_kv_blocks", "strided_scores",
-           "xattention", "xattn_estimate"]
+__all__ = ["DensityNotReachedWarning", "Fp8Keys", "Geometry", "RaggedMask",
+           "block_sparse_attention", "calibrate", "checked", "kv_block_scores",
+           "quantize_keys", "ragged_xattention", "sampled_block_mass", "select_blocks",
+           "select_kv_blocks", "strided_scores", "xattention", "xattn_estimate"]

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import fp8, impls, partitioning
+from xattn_jax.backend import Backend
 from xattn_jax.checks import (CheckedCalls, check_block_sums, check_flag, check_int,
                               check_norm, check_qk, check_scratch_bytes, threshold_per_head)
+from xattn_jax.defaults import BLOCK_SIZE, NO_WIDENING, NORM, ORIGINAL_THRESHOLD, STRIDE
 from xattn_jax.geometry import Geometry
-from xattn_jax.impls import Implementation
 from xattn_jax.reference.estimate import widen
 
 QK_LAYOUTS = ("B H ...", "B K ...")  # q, k (`partitioning.on_shards`)
@@ -27,7 +28,7 @@ _ESTIMATE_CALLS = CheckedCalls()  # xattn_estimate's prepared calls
 _SELECT_CALLS = CheckedCalls()  # select_blocks' prepared calls
 
 
-def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float = 1.0,
+def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = STRIDE, norm: float = NORM,
                    impl: str = "auto") -> jax.Array:
     """docs/estimate.md section 1: the strided antidiagonal scores.
 
@@ -38,13 +39,14 @@ def strided_scores(q: jax.Array, k: jax.Array, *, stride: int = 8, norm: float =
     """
     geom = check_qk(q, k, stride=stride, block_size=stride, causal=False)
     run = partitioning.on_shards(impls.resolve(impl, q, k).strided_scores, QK_LAYOUTS,
-                                 geom=geom, norm=check_norm(norm))
+                                 name="strided_scores", geom=geom, norm=check_norm(norm))
     return run(q, k)
 
 
-def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
-                  keep_sink: bool = False, keep_recent: bool = False, min_blocks: int = 0,
-                  dense_last: int = 0, impl: str = "auto") -> jax.Array:
+def select_blocks(block_sums: jax.Array, threshold=ORIGINAL_THRESHOLD, *,
+                  causal: bool = True, keep_sink: bool = False, keep_recent: bool = False,
+                  min_blocks: int = NO_WIDENING, dense_last: int = NO_WIDENING,
+                  impl: str = "auto") -> jax.Array:
     """docs/estimate.md section 4 on given block sums: float32 `[B, Hq, qb, kb]` -> bool mask.
 
     block_sums: floats (any float dtype, computed in float32), no more query than key
@@ -58,7 +60,7 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
 
     def prepare():
         check_block_sums(block_sums)
-        return partitioning.on_shards(_select, ("B H ...", "H"),
+        return partitioning.on_shards(_select, ("B H ...", "H"), name="select_blocks",
                                       causal=check_flag("causal", causal),
                                       keep_sink=check_flag("keep_sink", keep_sink),
                                       keep_recent=check_flag("keep_recent", keep_recent),
@@ -73,7 +75,7 @@ def select_blocks(block_sums: jax.Array, threshold=0.9, *, causal: bool = True,
 @functools.partial(jax.jit, static_argnames=("causal", "keep_sink", "keep_recent",
                                              "min_blocks", "dense_last", "impl"))
 def _select(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool,
-            min_blocks: int, dense_last: int, impl: Implementation):
+            min_blocks: int, dense_last: int, impl: Backend):
     sums = sums.astype(jnp.float32)
     mask = impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
                               keep_recent=keep_recent)
@@ -85,7 +87,7 @@ def _select(sums, threshold, *, causal: bool, keep_sink: bool, keep_recent: bool
                                              "impl", "max_scratch_bytes"))
 def _estimate(q, k, threshold, *, geom: Geometry, causal: bool, norm: float,
               keep_sink: bool, keep_recent: bool, min_blocks: int, dense_last: int,
-              impl: Implementation, max_scratch_bytes: int | None):
+              impl: Backend, max_scratch_bytes: int | None):
     sums = impl.block_sums(q, k, geom=geom, causal=causal, norm=norm,
                            max_scratch_bytes=max_scratch_bytes)
     mask = impl.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
@@ -94,10 +96,11 @@ def _estimate(q, k, threshold, *, geom: Geometry, causal: bool, norm: float,
                        dense_last=dense_last)
 
 
-def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride: int = 8,
-                   threshold=0.9, causal: bool = True, norm: float = 1.0,
-                   keep_sink: bool = False, keep_recent: bool = False,
-                   min_blocks: int = 0, dense_last: int = 0, impl: str = "auto",
+def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SIZE,
+                   stride: int = STRIDE, threshold=ORIGINAL_THRESHOLD, causal: bool = True,
+                   norm: float = NORM, keep_sink: bool = False, keep_recent: bool = False,
+                   min_blocks: int = NO_WIDENING, dense_last: int = NO_WIDENING,
+                   impl: str = "auto",
                    max_scratch_bytes: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The XAttention estimate (docs/estimate.md sections 1-4) as one jitted call.
 
@@ -129,13 +132,12 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
         stays within 64 MiB beyond the outputs at every length (docs/tuning.md:
         workspace-bound). A call whose scratch exceeds the bound runs as several kernel
         calls, one after another, over as many whole heads as fit or else in row steps
-        (`triton.plan.plan_block_sums`, `mosaic.estimate_plan`; a causal call's Mosaic
+        (`triton.plan.plan_block_sums`, `mosaic.estimate.plan`; a causal call's Mosaic
         statistics are folded, about half its tiles' worth). A larger bound takes fewer
-        steps (causal 128K as one call: 3.1% faster, with 1.3 GiB of workspace), a lower
-        one more. Where not even one row step of one head fits, the Triton backend runs
-        its two-pass kernel (no scratch, each score computed twice), and "auto" gives
-        the Triton backend the calls the Mosaic block sums cannot step. The reference
-        ignores it.
+        steps, a lower one more (docs/tuning.md: workspace-bound). Where not even one row
+        step of one head fits, the Triton backend runs its two-pass kernel (no scratch,
+        each score computed twice), and "auto" gives the Triton backend the calls the
+        Mosaic block sums cannot step. The reference ignores it.
 
     Returns:
       `(block_sums, mask)`: float32 and bool, both `[B, Hq, ceil(Lq/block_size),
@@ -159,8 +161,8 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
 
     def prepare():
         geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
-        return partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), geom=geom,
-                                      causal=check_flag("causal", causal),
+        return partitioning.on_shards(_estimate, QK_LAYOUTS + ("H",), name="xattn_estimate",
+                                      geom=geom, causal=check_flag("causal", causal),
                                       norm=check_norm(norm),
                                       keep_sink=check_flag("keep_sink", keep_sink),
                                       keep_recent=check_flag("keep_recent", keep_recent),

@@ -7,7 +7,7 @@ jitted call.
 `impl` (`xattn_jax.impls`): "reference" is the plain-JAX reference
 (`xattn_jax.reference.attention`, memory-lean, any GPU or the CPU); "mosaic" the Hopper
 kernel `xattn_jax.mosaic.attention`; "auto" the Mosaic kernel where it can run on the
-inputs' device, else the reference. There is no Triton-backend attention kernel.
+inputs' device and takes the call, else the reference. There is no Triton-backend attention kernel.
 
 Several devices: both partition over batch and heads as `xattn_jax.api` says (a paged
 cache over its KV-head axis 2; `xattn_jax.partitioning`).
@@ -22,11 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from xattn_jax import impls, partitioning
-from xattn_jax.api import _select, xattn_estimate
+from xattn_jax.api import _estimate, _select
+from xattn_jax.backend import Backend
 from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_int, check_norm,
                               check_qk, check_scale, check_traced, threshold_per_head)
+from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE,
+                                THRESHOLD)
 from xattn_jax.geometry import Geometry, cdiv
-from xattn_jax.impls import Implementation
 from xattn_jax.sampled_rows import sampled_block_mass
 
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
@@ -40,7 +42,7 @@ def _check_block_size(block_size) -> int:
     return int(block_size)
 
 
-def _check_v(v, k, block_table) -> None:
+def check_v(v, k, block_table) -> None:
     """v: k's layout (contiguous `[B, Hkv, Lk, Dv]` or paged `[num_pages, page_size, Hkv,
     Dv]`) and dtype; only its last dimension may differ from k's."""
     if getattr(v, "ndim", None) != 4:
@@ -91,7 +93,7 @@ def _check_attention(q, k, v, block_size, block_table) -> Geometry:
     keys, _ = cached_keys(q, k, block_table)
     # stride 1 and causal=False: the attention has neither a stride nor an alignment rule
     geom = check_qk(q, keys, stride=1, block_size=block_size, causal=False)
-    _check_v(v, k, block_table)
+    check_v(v, k, block_table)
     return geom
 
 
@@ -99,14 +101,12 @@ def _check_attention(q, k, v, block_size, block_table) -> Geometry:
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_size", "causal", "scale",
                                              "return_lse"))
-def _attention(q, k, v, mask, key_count, block_table, *, impl: Implementation,
-               block_size: int,
+def _attention(q, k, v, mask, key_count, block_table, *, impl: Backend, block_size: int,
                causal: bool, scale: float | None, return_lse: bool):
     cache = {name: x for name, x in zip(_CACHE_ARGS, (key_count, block_table))
              if x is not None}
     return impl.block_sparse_attention(q, k, v, mask, block_size=block_size, causal=causal,
-                                       scale=scale,
-                  return_lse=return_lse, **cache)
+                                       scale=scale, return_lse=return_lse, **cache)
 
 
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
@@ -163,51 +163,46 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     table = None if block_table is None else jnp.asarray(block_table, jnp.int32)
     key_count = _key_count(k_len, geom)
-    page_size = None if table is None else k.shape[1]
-    impl = impls.resolve(impl, q, op=impls.ATTENTION,
-                         attention_args=(q.shape[-1], v.shape[-1], q.dtype, geom.block_size,
-                                         page_size))
     kv = "B K ..." if table is None else ". . K ."
     run = partitioning.on_shards(_attention, ("B H ...", kv, kv, "B H ...", "", "B ..."),
-                                 impl=impl, block_size=geom.block_size,
+                                 name="block_sparse_attention",
+                                 impl=impls.resolve(impl, q, ops=impls.ATTENTION),
+                                 block_size=geom.block_size,
                                  causal=causal, scale=check_scale(scale),
                                  return_lse=return_lse)
     return run(q, k, v, mask, key_count, table)
 
 
-# xattention's selection defaults (docs/tuning.md: selection-defaults)
-THRESHOLD = 0.95
-MIN_BLOCKS = 4
-DENSE_LAST = 1
 # the block scores xattention may select on: XAttention's strided antidiagonal estimate,
 # or the exact attention of sampled query rows (xattn_jax.sampled_rows)
 ESTIMATES = ("antidiagonal", "sampled-rows")
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "estimate_impl", "estimate",
-                                             "block_size", "stride", "causal", "norm",
-                                             "min_blocks", "dense_last", "scale",
+@functools.partial(jax.jit, static_argnames=("geom", "backends", "estimate", "causal",
+                                             "norm", "min_blocks", "dense_last", "scale",
                                              "return_mask"))
-def _xattention(q, k, v, threshold, *, impl: Implementation, estimate_impl: Implementation,
-                estimate: str, block_size: int, stride: int, causal: bool, norm: float,
-                min_blocks: int, dense_last: int, scale: float | None, return_mask: bool):
+def _xattention(q, k, v, threshold, *, geom: Geometry,
+                backends: impls.XAttentionBackends, estimate: str, causal: bool,
+                norm: float, min_blocks: int, dense_last: int, scale: float | None,
+                return_mask: bool):
+    widening = dict(causal=causal, keep_sink=False, keep_recent=False,
+                    min_blocks=min_blocks, dense_last=dense_last, impl=backends.estimate)
     if estimate == "antidiagonal":
-        _, mask = xattn_estimate(q, k, block_size=block_size, stride=stride,
-                                 threshold=threshold, causal=causal, norm=norm,
-                                 min_blocks=min_blocks, dense_last=dense_last,
-                                 impl=estimate_impl)
+        _, mask = _estimate(q, k, threshold, geom=geom, norm=norm, max_scratch_bytes=None,
+                            **widening)
     else:
-        sums = sampled_block_mass(q, k, block_size=block_size, causal=causal, scale=scale)
-        mask = _select(sums, threshold, causal=causal, keep_sink=False, keep_recent=False,
-                       min_blocks=min_blocks, dense_last=dense_last, impl=estimate_impl)
-    out = impl.block_sparse_attention(q, k, v, mask, block_size=block_size, causal=causal,
-                                      scale=scale, return_lse=False)
+        sums = sampled_block_mass(q, k, block_size=geom.block_size, causal=causal,
+                                  scale=scale)
+        mask = _select(sums, threshold, **widening)
+    out = backends.attention.block_sparse_attention(
+        q, k, v, mask, block_size=geom.block_size, causal=causal, scale=scale,
+        return_lse=False)
     return (out, mask) if return_mask else out
 
 
 def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
-               block_size: int = 128, stride: int = 8, causal: bool = True,
-               norm: float = 1.0, min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
+               block_size: int = BLOCK_SIZE, stride: int = STRIDE, causal: bool = True,
+               norm: float = NORM, min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
                scale: float | None = None, return_mask: bool = False, impl: str = "auto",
                estimate: str = "antidiagonal"):
     """XAttention (docs/estimate.md sections 1-4, then 6): the estimate's block mask, then
@@ -223,12 +218,13 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
       block_size, stride, causal, norm, min_blocks, dense_last: as in `xattn_estimate`
         (norm tempers the estimate only); the attention uses the same block_size and
         causal. The defaults of threshold, min_blocks and dense_last are chosen for a real
-        model's quality (docs/tuning.md: selection-defaults), where `xattn_estimate`'s
-        are the original XAttention's.
+        model's quality, where `xattn_estimate`'s are the original XAttention's
+        (`xattn_jax.defaults`; docs/tuning.md: selection-defaults).
       scale: the attention's q.k multiplier, default 1 / sqrt(D).
       return_mask: also return the mask (True or False).
       impl: the attention's implementation, as in `block_sparse_attention`. The estimate
-        runs its "reference" for impl="reference" or inputs off a GPU, else its "auto".
+        runs its "reference" for impl="reference" or inputs off a GPU, else its "auto"
+        (`impls.resolve_xattention`, whose pair may also be passed here).
       estimate: the block scores the threshold rule selects on (one of ESTIMATES):
         "antidiagonal", XAttention's estimate (`xattn_estimate`, with stride and norm);
         "sampled-rows", the exact attention mass of 16 sampled rows per query block
@@ -242,20 +238,14 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
       exactly `xattn_estimate`'s.
     """
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
-    _check_v(v, k, None)
+    check_v(v, k, None)
     return_mask = check_flag("return_mask", return_mask)
     estimate = check_choice("estimate", estimate, ESTIMATES)
     t = threshold_per_head(threshold, geom.q_heads)
-    attention_impl = impls.resolve(impl, q, op=impls.ATTENTION,
-                                   attention_args=(q.shape[-1], v.shape[-1], q.dtype,
-                                                   geom.block_size, None))
-    estimate_impl = impls.resolve("reference" if impl == "reference" else "auto", q)
     run = partitioning.on_shards(
-        _xattention, ("B H ...", "B K ...", "B K ...", "H"), impl=attention_impl,
-        estimate_impl=estimate_impl, estimate=estimate, block_size=geom.block_size,
-        stride=geom.stride,
-        causal=check_flag("causal", causal), norm=check_norm(norm),
-        min_blocks=check_int("min_blocks", min_blocks, 0),
+        _xattention, ("B H ...", "B K ...", "B K ...", "H"), name="xattention", geom=geom,
+        backends=impls.resolve_xattention(impl, q), estimate=estimate, causal=causal,
+        norm=check_norm(norm), min_blocks=check_int("min_blocks", min_blocks, 0),
         dense_last=check_int("dense_last", dense_last, 0), scale=check_scale(scale),
         return_mask=return_mask)
     return run(q, k, v, t)

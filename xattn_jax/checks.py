@@ -82,8 +82,8 @@ class CheckedCalls:
     """What a public function derived from its checks (a prepared call), by call
     signature: the arrays' types, shapes, dtypes and shardings, and the other arguments
     with their types (16 and 16.0, or 1 and True, are different signatures). A call that
-    repeats an earlier valid one skips the checks: ~10 us of host time on our CPU, several
-    times that on a GPU host, against a ~10 us jitted dispatch. Only concrete jax.Arrays
+    repeats an earlier valid one skips the checks, host time comparable to a jitted
+    dispatch (docs/tuning.md: checks-host-time). Only concrete jax.Arrays
     and hashable arguments have a signature; any other call is checked every time (a
     tracer, in particular, so checked mode always checks)."""
 
@@ -209,7 +209,7 @@ def check_scratch_bytes(max_scratch_bytes) -> int | None:
 
 # --- shares in (0, 1] --------------------------------------------------------------------
 
-def _real_host_array(name: str, value) -> np.ndarray:
+def real_host_array(name: str, value) -> np.ndarray:
     """A threshold given on the host (a number, a numpy value or array, a list) as a float32
     array; strings, None, bools and other non-numbers are refused."""
     if not isinstance(value, (bool, np.bool_, str, bytes)):
@@ -223,7 +223,7 @@ def _real_host_array(name: str, value) -> np.ndarray:
                     f"({type(value).__name__})")
 
 
-def _check_shares(name: str, values: float | np.ndarray, shown) -> None:
+def check_shares(name: str, values: float | np.ndarray, shown) -> None:
     """The one range rule of every share (threshold): one float, or a float32 array."""
     if isinstance(values, float):  # without numpy's few microseconds per call
         inside = 0 < values <= 1
@@ -241,7 +241,7 @@ def check_share(name: str, value) -> float:
                         f"({type(value).__name__})")
     # clipped first: a huge int would not fit a float32 (NaN stays NaN)
     share = float(np.float32(max(min(value, 2), -1)))
-    _check_shares(name, share, value)
+    check_shares(name, share, value)
     return share
 
 
@@ -264,7 +264,8 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
     only (its values in checked mode): reading it would wait for the device, or is
     impossible inside a trace.
     """
-    if isinstance(threshold, float):  # the common case, without numpy's ~15 us per call
+    # the common case, without numpy (docs/tuning.md: checks-host-time)
+    if isinstance(threshold, float):
         return _device_values((check_share("threshold", threshold),) * q_heads)
     if isinstance(threshold, jax.Array):
         t = _check_jax_share("threshold", threshold)
@@ -272,10 +273,10 @@ def threshold_per_head(threshold, q_heads: int) -> jax.Array:
             return jnp.broadcast_to(t, (q_heads,))
         _check_threshold_shape(t.shape, q_heads)
         return t
-    t = _real_host_array("threshold", threshold)
+    t = real_host_array("threshold", threshold)
     if t.ndim:
         _check_threshold_shape(t.shape, q_heads)
-    _check_shares("threshold", t, threshold)
+    check_shares("threshold", t, threshold)
     return _device_values(tuple(np.broadcast_to(t, (q_heads,)).tolist()))
 
 
@@ -287,10 +288,10 @@ def scalar_threshold(threshold) -> jax.Array:
         if threshold.ndim:
             raise ValueError(f"threshold must be one float, got shape {threshold.shape}")
         return _check_jax_share("threshold", threshold)
-    t = _real_host_array("threshold", threshold)
+    t = real_host_array("threshold", threshold)
     if t.ndim:
         raise ValueError(f"threshold must be one float, got shape {t.shape}")
-    _check_shares("threshold", t, threshold)
+    check_shares("threshold", t, threshold)
     return _device_values(float(t))
 
 
@@ -466,7 +467,7 @@ def key_len(k_len, capacity: int):
     """k_len checked: None (the whole buffer) and an int in [1, capacity] as a Python int,
     or an integer scalar jax.Array (maybe traced; its value is checked in checked mode
     only) as int32. The jitted callee makes the int a device scalar: converting it here
-    would cost ~20 us of host time per call."""
+    would cost host time on every call (docs/tuning.md: checks-host-time)."""
     if k_len is None:
         return capacity
     rule = f"k_len must lie in [1, {capacity}] (k's length)"
@@ -480,7 +481,8 @@ def key_len(k_len, capacity: int):
     if k_len.ndim or not jnp.issubdtype(k_len.dtype, jnp.integer):
         raise ValueError(f"k_len must be a scalar integer jax.Array, got {k_len.dtype} "
                          f"{k_len.shape}")
-    n = k_len if k_len.dtype == jnp.int32 else k_len.astype(jnp.int32)  # astype: ~15 us
+    # astype only where needed (docs/tuning.md: checks-host-time)
+    n = k_len if k_len.dtype == jnp.int32 else k_len.astype(jnp.int32)
     check_traced(lambda n: (n >= 1) & (n <= capacity), rule + ", got {}", n)
     return n
 

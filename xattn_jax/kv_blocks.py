@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import fp8, impls, partitioning, reference
+from xattn_jax.backend import Backend
 from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_flag,
                               check_float_array, check_kv_sizes, check_norm, check_qk,
                               key_len, kv_groups, scalar_threshold, valid_counts)
+from xattn_jax.defaults import (ESTIMATE_BLOCK_SIZE, KV_BLOCK_SIZE, KV_THRESHOLD, NORM,
+                                STRIDE)
 from xattn_jax.geometry import Geometry, cdiv
-from xattn_jax.impls import Implementation
 
 RULES = ("score", "vote")
 EMPTY_BLOCK = -1.0  # the score of a KV block that holds no key (a real share is >= 0)
@@ -56,7 +58,7 @@ def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("geom", "norm", "per_kv_block",
                                              "per_query_block", "impl"))
 def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_kv_block: int,
-               per_query_block: bool, impl: Implementation):
+               per_query_block: bool, impl: Backend):
     key_len = jnp.asarray(key_len, jnp.int32)
     if block_table is not None:
         block_table = block_table.astype(jnp.int32)
@@ -68,8 +70,9 @@ def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_k
     return jnp.where(first_key < key_len, scores, EMPTY_BLOCK)
 
 
-def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
-                    estimate_block_size: int = 1024, stride: int = 8, norm: float = 1.0,
+def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = KV_BLOCK_SIZE,
+                    estimate_block_size: int = ESTIMATE_BLOCK_SIZE, stride: int = STRIDE,
+                    norm: float = NORM,
                     k_len=None, block_table=None, per_query_block: bool = False,
                     impl: str = "auto") -> jax.Array:
     """Softmax mass of a chunk's queries in each KV-cache block: float32 `[B, Hq, n]`.
@@ -111,7 +114,7 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = 4096,
         geom = check_qk(q, keys, stride=stride, block_size=estimate_block_size, causal=False)
         layouts = ("B H ...", "B K ..." if table is None else ". . K .", "", "B ...")
         run = partitioning.on_shards(
-            _kv_scores, layouts, geom=geom, norm=check_norm(norm),
+            _kv_scores, layouts, name="kv_block_scores", geom=geom, norm=check_norm(norm),
             per_kv_block=kv_block_size // estimate_block_size,
             per_query_block=check_flag("per_query_block", per_query_block),
             impl=impls.resolve(impl, q, k))
@@ -171,7 +174,8 @@ def _select_kv(scores, counts, threshold, *, rule: str, groups: int, keep_first:
     return mask if per_kv_head else mask[:, 0]
 
 
-def select_kv_blocks(scores: jax.Array, *, threshold: float = 0.95, keep_first: bool = True,
+def select_kv_blocks(scores: jax.Array, *, threshold: float = KV_THRESHOLD,
+                     keep_first: bool = True,
                      keep_last: bool = True, per_kv_head: bool = False, kv_heads=None,
                      num_valid=None, rule: str = "score", impl: str = "auto") -> jax.Array:
     """KV-cache blocks to load for a chunk: bool `[B, n]`, or `[B, Hkv, n]` per KV head.

@@ -2,7 +2,7 @@
 one_pass`), which reads keys by whole stride groups (docs/estimate.md section 1: a
 reshaped key column is S consecutive keys). (The Mosaic kernel instead reads the key
 tile holding the count's end from a copy with the later keys zeroed,
-`xattn_jax.mosaic.block_sums`.)
+`xattn_jax.mosaic.estimate.block_sums`.)
 
 When the count of keys in use is data, it may end inside a stride group. The kernel
 then takes the count rounded down to whole groups (`split_last_group`), so that no key

@@ -53,6 +53,8 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor,
                                                   SdyShardingRule, custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xattn_jax.forward_only import forward_only
+
 BATCH, Q_HEADS, KV_HEADS, OTHER, REST = "B", "H", "K", ".", "..."
 FUSED_KV = "F"  # a fused cache's head axis: 2 Hkv entries, K and V of each KV head
 RESULT_LAYOUT = "B H ..."
@@ -62,14 +64,16 @@ _FACTORS = {BATCH: "b", Q_HEADS: "hq", KV_HEADS: "hk"}
 _PAIR_FACTOR = "kv_pair"  # the K/V pair inside a fused axis: never split
 
 
-def on_shards(core: Callable, layouts: Sequence[str], *, geom=None,
+def on_shards(core: Callable, layouts: Sequence[str], *, name: str, geom=None,
               results: str | Sequence[str] = RESULT_LAYOUT, **static) -> Callable:
-    """`core` with partitioning rules: returns `fn(*operands)` = `core(*operands, **static)`.
+    """`core` with partitioning rules: returns `fn(*operands)` = `core(*operands, **static)`,
+    forward only (`xattn_jax.forward_only`).
 
     core: a function of arrays (None allowed, passed through) and keyword arguments.
     layouts: one layout string per operand (module docstring).
     results: the layout of every result (default `[B, Hq, ...]`), or one per result in
       the order `jax.tree.flatten` gives them.
+    name: the public function that runs core, named by the error a derivative raises.
     geom: a `Geometry` passed to core as `geom=`; on each shard, its batch and head counts
       become the shard's.
     static: the core's other keyword arguments (hashable: flags, sizes), closed over.
@@ -77,13 +81,13 @@ def on_shards(core: Callable, layouts: Sequence[str], *, geom=None,
     """
     results = results if isinstance(results, str) else tuple(results)
     return functools.partial(_run, core, tuple(layouts), results, geom,
-                             tuple(sorted(static.items())))
+                             tuple(sorted(static.items())), name)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _run(core, layouts, result_layouts, geom, static_items, *operands):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _run(core, layouts, result_layouts, geom, static_items, name, *operands):
     """core(*operands) as a custom_partitioning call (None operands stay out of it), in a
-    custom_vmap whose batching rule vmaps the core itself."""
+    custom_vmap whose batching rule vmaps the core itself, forward only."""
     if len(operands) != len(layouts):
         raise ValueError(f"{len(operands)} operands for {len(layouts)} layouts")
     static = dict(static_items)
@@ -99,7 +103,8 @@ def _run(core, layouts, result_layouts, geom, static_items, *operands):
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.manual_axes:  # inside a caller's shard_map: the arrays are this shard's; axes
-        return call(arrays, geom)  # left automatic there are XLA's to partition
+        # left automatic there are XLA's to partition
+        return forward_only(lambda *xs: call(xs, geom), name)(*arrays)
     results, result_tree = jax.tree.flatten(jax.eval_shape(lambda *xs: call(xs, geom),
                                                           *arrays))
     if isinstance(result_layouts, str):
@@ -139,7 +144,7 @@ def _run(core, layouts, result_layouts, geom, static_items, *operands):
         out = jax.vmap(lambda *ys: call(ys, geom), in_axes=axes)(*xs)
         return out, jax.tree.map(lambda _: True, out)
 
-    return batchable(*arrays)
+    return forward_only(batchable, name)(*arrays)
 
 
 def _axis_names(layout: str, rank: int) -> tuple[str, ...]:

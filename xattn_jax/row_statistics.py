@@ -1,6 +1,6 @@
 """The exact epilogue of the one-pass block sums (docs/estimate.md sections 2-3), shared
 by the one-pass kernels of both backends (`xattn_jax.triton.one_pass`,
-`xattn_jax.mosaic.block_sums`), and the walk of a call made of several kernel calls
+`xattn_jax.mosaic.estimate.block_sums`), and the walk of a call made of several kernel calls
 (`in_steps`).
 
 A row's softmax needs its maximum and sum over every key before any block sum can be
@@ -138,8 +138,8 @@ def in_steps(geom: Geometry, heads: int, blocks: int, block_sums_of,
     numbers them), of every head group; out: the result the earlier steps wrote, so that a
     caller may walk the steps in several loops, each with its own block_sums_of (default
     a new array left uninitialized where the backend allows, `jax.lax.empty`: the
-    caller's loops walk every step, which together write every element; on the H200
-    causal 1M's 8 GiB of zeros took 2.5 ms, 2026-12-02)."""
+    caller's loops walk every step, which together write every element; docs/tuning.md:
+    steps-output-uninitialized)."""
     steps = range(cdiv(geom.q_blocks, blocks)) if steps is None else steps
 
     def one_call(i, out):

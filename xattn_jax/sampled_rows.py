@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xattn_jax.checks import check_flag, check_int, check_qk, check_scale
+from xattn_jax.defaults import BLOCK_SIZE
 from xattn_jax.geometry import cdiv
 
 # sampled rows per query block (docs/tuning.md: sampled-rows)
@@ -41,7 +42,7 @@ def sampled_positions(q_len: int, block_size: int, rows: int) -> np.ndarray:
     return (starts[:, None] + offsets).astype(np.int32)
 
 
-def sampled_block_mass(q: jax.Array, k: jax.Array, *, block_size: int = 128,
+def sampled_block_mass(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SIZE,
                        rows: int = ROWS, causal: bool = True,
                        scale: float | None = None) -> jax.Array:
     """Each (query block, key block)'s attention mass over `rows` sampled query rows.

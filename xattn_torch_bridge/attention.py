@@ -4,7 +4,9 @@ As `estimate` does for the estimate: the tensors go to JAX without a copy, with 
 stream-order step for all of them (`dlpack.views_for_one_computation`), the jitted JAX
 function runs where they live (compiled once per shape, dtype, device and static argument),
 and the results come back as torch tensors without a copy, ordered before later work on
-torch's current stream. Forward only: tensors that require grad are detached.
+torch's current stream. Forward only: a tensor that requires grad is refused (ValueError)
+while torch's grad mode is on; under torch.no_grad() or torch.inference_mode() it is read
+as it is.
 
 Host time per `xattention` call (as `estimate` does for the estimate): its keyword
 arguments but the threshold are fixed per compiled function (`compiled_xattention`,
@@ -23,12 +25,11 @@ import jax
 import torch
 import xattn_jax
 from xattn_jax import impls
-from xattn_jax.attention import THRESHOLD
 from xattn_jax.checks import CheckedCalls, check_flag, threshold_per_head
+from xattn_jax.defaults import THRESHOLD
 
-from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, Place, place_of, to_torch,
-                                       views_for_one_computation)
-from xattn_torch_bridge.estimate import _detached
+from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, Place, forward_only, place_of,
+                                       to_torch, views_for_one_computation)
 
 _prepared_calls = CheckedCalls()  # `_prepared`'s argument sets
 
@@ -42,7 +43,8 @@ def _views(copy, **tensors: torch.Tensor):
     and that device's Place."""
     copy = check_flag("copy", copy)
     named = {name: t for name, t in tensors.items() if t is not None}
-    checked = [place_of(_detached(t), name, copy, _DTYPES[name]) for name, t in named.items()]
+    checked = [place_of(forward_only(t, name), name, copy, _DTYPES[name])
+               for name, t in named.items()]
     place = checked[0][1]
     if any(other is not place for _, other in checked):
         devices = ", ".join(f"{name} on {t.device}" for name, t in named.items())
@@ -147,15 +149,12 @@ def traced_options(place: Place, options: dict) -> tuple:
     """`xattn_jax.xattention`'s keyword arguments for a call traced for place's device,
     as a key of `compiled_xattention`: (name, type, value) triples, sorted.
 
-    Inside a jitted function the inputs have no device, and xattn_jax resolves "auto" for
-    JAX's default backend. So impl is checked here for place's device (a ValueError for
-    one that cannot run there), and on the CPU, where every implementation xattention can
-    run is the reference, impl becomes "reference"."""
-    impl = options.get("impl", "auto")
-    impls.resolve(impl, op=impls.ATTENTION, device=place.jax_device)
-    if place.index is None and isinstance(impl, str):
-        options = dict(options, impl="reference")
-    return tuple(sorted((name, type(value), value) for name, value in options.items()))
+    Inside a jitted function the inputs have no device, so impl is resolved here for
+    place's device (a ValueError for one that cannot run there) and handed over as the
+    backends it names (`impls.resolve_xattention`)."""
+    backends = impls.resolve_xattention(options.get("impl", "auto"), device=place.jax_device)
+    return tuple(sorted((name, type(value), value)
+                        for name, value in dict(options, impl=backends).items()))
 
 
 @functools.lru_cache(maxsize=256)

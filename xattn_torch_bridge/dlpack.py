@@ -43,9 +43,9 @@ array are both gone, JAX may reuse the memory without waiting for torch work sti
 on it; JAX work fed through `to_jax` from the same stream waits for that work anyway.
 
 Implementation notes. These are the exchanges `jax.dlpack.from_dlpack(tensor)` and
-`torch.from_dlpack(array)` perform, without their per-call Python (30-70 us for JAX's;
-see bench/bridge_overhead.py). The torch capsule comes from `torch.utils.dlpack.to_dlpack`
-(what `Tensor.__dlpack__` returns after 2-3 us of argument handling) and JAX views it with
+`torch.from_dlpack(array)` perform, without their per-call Python (docs/tuning.md:
+bridge-dlpack-import). The torch capsule comes from `torch.utils.dlpack.to_dlpack`
+(what `Tensor.__dlpack__` returns after its argument handling) and JAX views it with
 jaxlib's `dlpack_managed_tensor_to_buffer` (where `jax.dlpack.from_dlpack` ends); the JAX
 capsule comes from jaxlib's `buffer_to_dlpack_managed_tensor` (where `jax.Array.__dlpack__`
 ends) and torch views it with `torch._C._from_dlpack` (where `torch.from_dlpack` ends).
@@ -57,9 +57,6 @@ jaxlib and torch functions are private: the jaxlib ones have these signatures fr
 jax 0.10.2 to 0.11; `torch._C._from_dlpack` is in torch 2.11 and 2.13, and the event's
 C++ methods were run with torch 2.11 (the CUDA build on the H200). Devices are looked up
 once per torch device (to_jax) and once per JAX sharding (to_torch).
-
-A CUDA array interface import was tried instead of DLPack (2026-11-30, H200, jax 0.11.2):
-`to_jax` took 25 us against 29 us, but jaxlib refused side streams; not kept.
 """
 
 from __future__ import annotations
@@ -175,6 +172,19 @@ def place_of(tensor: torch.Tensor, name: str, copy: bool,
     return tensor, place
 
 
+def forward_only(tensor, name: str):
+    """`tensor` as an input of a forward-only call (no gradient): refused (ValueError)
+    where it requires grad while torch's grad mode is on, since the output could carry no
+    graph; under torch.no_grad() or torch.inference_mode() detached, as DLPack needs."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+        return tensor
+    if torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but this call is forward only (it has no "
+                         f"gradient): call it under torch.no_grad() or "
+                         f"torch.inference_mode(), or pass {name}.detach()")
+    return tensor.detach()
+
+
 def _event(index: int) -> torch.cuda.Event:
     """This thread's reusable event on CUDA device `index` (a stream wait captures the
     event's latest record at the time of the wait, so reusing it is safe)."""
@@ -191,7 +201,8 @@ def jax_waits_for_torch(place: Place) -> None:
     if place.jax_stream is None:
         return
     event = _event(place.index)
-    # torch.cuda.Event's C++ methods without their Python wrappers (1.5 us of a hand-off)
+    # torch.cuda.Event's C++ methods, without their Python wrappers
+    # (docs/tuning.md: bridge-stream-order-event)
     torch._C._CudaEventBase.record(event, current_stream(place.index))
     torch._C._CudaEventBase.wait(event, place.jax_stream_torch)
 
@@ -212,8 +223,8 @@ def view_in_jax(tensor: torch.Tensor, place: Place, ordered: bool = True) -> jax
 
     ordered: the array's definition event is recorded on JAX's external-buffer stream, so
     JAX work reading it waits for what `jax_waits_for_torch` ordered before it. False:
-    the array counts as ready at once (about 8 us less here and 10 us less when a
-    computation starts, measured on the H200). Only for an array that is read solely by
+    the array counts as ready at once, which saves host time (docs/tuning.md:
+    bridge-unordered-views). Only for an array that is read solely by
     computations that also read an ordered one made after the same `jax_waits_for_torch`:
     a computation waits for every input's event before it starts.
     """
@@ -295,7 +306,8 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     if index is _UNKNOWN:
         index = _torch_index(array)
     stream = None if index is None else consumer_stream(index)
-    # what torch.utils.dlpack.from_dlpack calls for a capsule, without its checks (1 us)
+    # what torch.utils.dlpack.from_dlpack calls for a capsule, without its checks
+    # (docs/tuning.md: bridge-dlpack-import)
     return torch._C._from_dlpack(_jax.buffer_to_dlpack_managed_tensor(array, stream))
 
 
@@ -303,8 +315,7 @@ def to_torch(array: jax.Array) -> torch.Tensor:
 def read_through_torch(array: jax.Array) -> np.ndarray:
     """The values of a single-device `array` on the host, as numpy (waiting for them):
     `to_torch` (ordered after JAX's work on torch's current stream), then torch's copy
-    to the host. Measured on the H200 (2026-11-30, jax 0.11.2, torch 2.11): a jitted
-    call plus this read returned 0.36 ms sooner than with `jax.device_get` (0.29 against
-    0.65 ms). No JAX transfer happens, so JAX's transfer guards do not see it. On the
+    to the host, sooner than `jax.device_get` (docs/tuning.md: policy-read-through-torch).
+    No JAX transfer happens, so JAX's transfer guards do not see it. On the
     CPU the array may be viewed in place: read it only."""
     return to_torch(array).cpu().numpy()

@@ -33,17 +33,13 @@ import torch
 import xattn_jax
 from xattn_jax import impls
 from xattn_jax.checks import CheckedCalls, check_flag, threshold_per_head
+from xattn_jax.defaults import ORIGINAL_THRESHOLD
 from xattn_jax.geometry import cdiv
 
-from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, persistent_view, place_of, to_torch,
-                                       view_in_jax, views_for_one_computation)
+from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, forward_only, persistent_view, place_of,
+                                       to_torch, view_in_jax, views_for_one_computation)
 
-DEFAULT_THRESHOLD = 0.9  # xattn_jax.xattn_estimate's default
 _prepared_calls = CheckedCalls()  # `_prepared`'s argument sets
-
-
-def _detached(x):
-    return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
 
 
 def compiled_estimate(options: dict) -> jax.stages.Wrapped:
@@ -83,8 +79,9 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
 
     Args:
       q: `[B, Hq, Lq, D]`, k: `[B, Hkv, Lk, D]`, float32, bfloat16 or float16 torch
-        tensors, both on the CPU or both on one CUDA device. Tensors that require grad are
-        detached (the estimate has no gradient).
+        tensors, both on the CPU or both on one CUDA device. Forward only: a tensor that
+        requires grad is refused (ValueError) while torch's grad mode is on; call it
+        under torch.no_grad() or torch.inference_mode().
       copy: False refuses a q or k that is not contiguous or not aligned (ValueError);
         True copies both into fresh contiguous tensors first.
       threshold: may also be a torch tensor of `Hq` values, read to the host (as
@@ -99,11 +96,11 @@ def xattn_estimate(q: torch.Tensor, k: torch.Tensor, *, copy: bool = False,
     if torch.compiler.is_compiling():
         return _call_op(q, k, copy, kwargs)
     copy = check_flag("copy", copy)
-    q, place = place_of(_detached(q), "q", copy, FLOAT_DTYPES)
-    k, k_place = place_of(_detached(k), "k", copy, FLOAT_DTYPES)
+    q, place = place_of(forward_only(q, "q"), "q", copy, FLOAT_DTYPES)
+    k, k_place = place_of(forward_only(k, "k"), "k", copy, FLOAT_DTYPES)
     if k_place is not place:
         raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
-    estimate, threshold = _prepared(place, q, kwargs.pop("threshold", DEFAULT_THRESHOLD),
+    estimate, threshold = _prepared(place, q, kwargs.pop("threshold", ORIGINAL_THRESHOLD),
                                     kwargs)
     sums, mask = estimate(*views_for_one_computation(place, q), k_view(k, place, copy),
                           threshold)
@@ -141,7 +138,7 @@ _OPTIONS = {name: p.default for name, p in
 
 
 def _call_op(q, k, copy: bool, kwargs: dict):
-    threshold = kwargs.pop("threshold", DEFAULT_THRESHOLD)
+    threshold = kwargs.pop("threshold", ORIGINAL_THRESHOLD)
     unknown = set(kwargs) - set(_OPTIONS)
     if unknown:
         raise TypeError(f"xattn_estimate got unexpected keyword arguments {sorted(unknown)}")

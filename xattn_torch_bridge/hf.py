@@ -10,8 +10,8 @@
     # or, on a loaded model: model.set_attn_implementation("xattention")
     with torch.no_grad():
         logits = model(input_ids).logits
-    xattn.last_density()      # share of the causally visible blocks computed, e.g. 0.41
-    xattn.layer_densities()   # {layer: share}; xattn.head_densities(): {layer: [Hq]}
+    xattn.last_density        # share of the causally visible blocks computed, e.g. 0.41
+    xattn.layer_densities     # {layer: share}; xattn.head_densities: {layer: [Hq]}
     xattn.fallback_counts     # {"decode": 30, ...}: calls that went to sdpa, by reason
 
 `register` adds the name to transformers' `AttentionInterface` (the attention function)
@@ -36,8 +36,9 @@ The mask function registered with the name returns None for the plain causal mas
 (whatever the cache length) and the materialized mask otherwise.
 
 Density: each bridged call also counts, on the device, the blocks the estimate kept among
-those causally visible, per head; `last_density()` and its kin read the counts of the
-last forward that went through the bridge once, when asked (no host wait per layer).
+those causally visible, per head; `last_density` and its kin read the counts of the
+last forward that went through the bridge once, when read (no host wait per layer). What
+the calls measured is read as properties, the counts and the densities alike.
 
 Host cost per layer: the compiled function is looked up once per layer call by a
 dictionary key, the threshold of each layer is a device array made once, and the call
@@ -50,14 +51,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import xattn_jax
-from xattn_jax.checks import _check_shares, _real_host_array, check_int, check_tokens
+from xattn_jax.calibrate import check_calibration
+from xattn_jax.checks import check_int, check_shares, check_tokens, real_host_array
+from xattn_jax.defaults import BLOCK_SIZE, STRIDE, TARGET_DENSITY, THRESHOLD
 from xattn_jax.geometry import cdiv
 
 from xattn_torch_bridge import attention
@@ -80,15 +82,12 @@ FALLBACK_REASONS = ("decode", "short", "unaligned", "mask", "not_causal", "train
 UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 # arguments of the bridged xattention that the layer call sets itself
 RESERVED_OPTIONS = ("causal", "scale", "return_mask", "copy", "threshold")
-_DEFAULTS = {name: p.default for name, p in
-             inspect.signature(xattn_jax.xattention).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY}
 _registered: dict[str, AttentionHandle] = {}
 _CALIBRATION = "xattention-calibration"  # `calibrate`'s capturing implementation
 
 
-def register(name: str = "xattention", *, threshold=_DEFAULTS["threshold"],
-             stride: int = _DEFAULTS["stride"], block_size: int = _DEFAULTS["block_size"],
+def register(name: str = "xattention", *, threshold=THRESHOLD, stride: int = STRIDE,
+             block_size: int = BLOCK_SIZE,
              min_length: int | None = None, **options) -> AttentionHandle:
     """Makes XAttention the transformers attention implementation `name`.
 
@@ -119,18 +118,28 @@ def register(name: str = "xattention", *, threshold=_DEFAULTS["threshold"],
 
 
 def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
-              target_density: float = 0.3, stride: int = _DEFAULTS["stride"],
-              block_size: int = _DEFAULTS["block_size"], **settings) -> np.ndarray:
+              target_density: float = TARGET_DENSITY, stride: int = STRIDE,
+              block_size: int = BLOCK_SIZE, **settings) -> np.ndarray:
     """Per-head thresholds for `model` at a mean density of `target_density`: float32
     numpy `[num_layers, Hq]`, to pass to `register(threshold=...)` with the same stride,
     block_size and settings.
 
-    Runs one dense forward (transformers' sdpa) over `input_ids` (int `[1, L]`, a few
-    thousand tokens of sample text of the kind the model will read), copies each layer's
-    q, k and v to JAX, and calibrates them with `xattn_jax.calibrate` (settings: its
-    norm, min_blocks, dense_last, impl). The model's attention implementation is restored
-    after the forward, also when it fails.
+    Runs one dense forward (transformers' sdpa) over `input_ids` (integer `[B, L]` on the
+    model's device, token ids below its vocabulary size: a few thousand tokens of sample
+    text of the kind the model will read), copies each layer's q, k and v to JAX, and
+    calibrates them with `xattn_jax.calibrate` (settings: its thresholds, norm,
+    min_blocks, dense_last, impl, estimate). The model's attention implementation is
+    restored after the forward, also when it fails.
+
+    Raises TypeError or ValueError naming the argument before the forward: a model that
+    is not a transformers model, input_ids of another type, dtype, rank or range, and
+    `xattn_jax.calibrate`'s refusals of the other arguments. A target the sparsest
+    thresholds cannot reach gives their table and a `DensityNotReachedWarning`
+    (`xattn_jax.calibrate`'s) with the density they keep.
     """
+    check_calibration(target_density=target_density, stride=stride, block_size=block_size,
+                      **settings)
+    _check_model_and_ids(model, input_ids)
     captured = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
@@ -150,6 +159,34 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, *,
     return xattn_jax.calibrate([captured[i] for i in sorted(captured)],
                                target_density=target_density, stride=stride,
                                block_size=block_size, **settings)
+
+
+def _check_model_and_ids(model, input_ids) -> None:
+    """`calibrate`'s model (a transformers model) and input_ids (its token ids)."""
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "set_attn_implementation")
+            and hasattr(getattr(model, "config", None), "_attn_implementation")):
+        raise TypeError(f"model must be a loaded transformers model (a torch.nn.Module "
+                        f"with set_attn_implementation and a config), got {model!r} "
+                        f"({type(model).__name__})")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [B, L], got "
+                        f"{type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise ValueError(f"input_ids must be non-empty token ids [B, L], got shape "
+                         f"{tuple(input_ids.shape)}")
+    parameter = next(model.parameters(), None)
+    if parameter is not None and input_ids.device != parameter.device:
+        raise ValueError(f"input_ids must be on the model's device {parameter.device}, got "
+                         f"{input_ids.device}")
+    vocab = getattr(model.config, "vocab_size", None)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bound = ">= 0" if vocab is None else f"in [0, {vocab}) (the model's vocab_size)"
+        raise ValueError(f"input_ids must be token ids {bound}, got values in "
+                         f"[{low}, {high}]")
 
 
 def _checked_name(name) -> str:
@@ -203,13 +240,13 @@ class Settings:
 def _checked_threshold(threshold) -> tuple[float | None, np.ndarray | None]:
     if isinstance(threshold, torch.Tensor):
         threshold = threshold.detach().cpu().numpy()
-    values = _real_host_array("threshold", threshold)
+    values = real_host_array("threshold", threshold)
     if values.ndim > 2:
         raise ValueError(f"threshold must be a float, [Hq] or [num_layers, Hq] floats, got "
                          f"shape {values.shape}")
     if 0 in values.shape:
         raise ValueError(f"threshold must not be empty, got shape {values.shape}")
-    _check_shares("threshold", values, threshold)
+    check_shares("threshold", values, threshold)
     return (float(values), None) if values.ndim == 0 else (None, values)
 
 
@@ -274,24 +311,27 @@ class AttentionHandle:
         self._counts.clear()
         self._forward = {}
 
+    @property
     def head_densities(self) -> dict[int, np.ndarray]:
         """For each layer of the last forward that went through the bridge: float64 `[Hq]`,
         the share of each head's causally visible blocks that the estimate kept (over the
-        batch). Reads the device counts (one wait)."""
+        batch). Reading it reads the device counts (one wait)."""
         layers = sorted(self._forward)
         counts = jax.device_get([self._forward[layer][0] for layer in layers])
         return {layer: np.asarray(c, np.float64) / self._forward[layer][1]
                 for layer, c in zip(layers, counts)}
 
+    @property
     def layer_densities(self) -> dict[int, float]:
         """For each layer of the last bridged forward: the share of its causally visible
         blocks (all heads, the batch) that were computed."""
-        return {layer: float(d.mean()) for layer, d in self.head_densities().items()}
+        return {layer: float(d.mean()) for layer, d in self.head_densities.items()}
 
+    @property
     def last_density(self) -> float | None:
         """The share of causally visible blocks computed in the last forward that went
         through the bridge, over its layers and heads; None before any such forward."""
-        densities = self.head_densities()
+        densities = self.head_densities
         if not densities:
             return None
         return float(np.mean(np.concatenate(list(densities.values()))))

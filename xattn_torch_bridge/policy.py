@@ -67,8 +67,10 @@ import numpy as np
 import torch
 import xattn_jax
 from xattn_jax import fp8, impls
+from xattn_jax.backend import Backend
 from xattn_jax.checks import (check_choice, check_estimate_block_size, check_flag, check_int,
                               check_norm, check_share)
+from xattn_jax.defaults import ESTIMATE_BLOCK_SIZE, KV_THRESHOLD, NORM, STRIDE
 from xattn_jax.geometry import cdiv, next_pow2
 from xattn_jax.kv_blocks import RULES
 
@@ -87,7 +89,7 @@ class Scoring:
     stride: int
     norm: float
     vote: bool
-    impl: impls.Implementation
+    impl: Backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,7 @@ def _unit_mask(scores, table, choice: Choice):
 
 
 # pages per unit from which `_chosen` takes one slice of a list of ids per chosen unit
-# rather than a step per page (measured: 4096 pages, 8 per unit: 22 against 39 us)
+# rather than a step per page (docs/tuning.md: policy-id-slices)
 _SLICES_FROM = 8
 
 
@@ -183,10 +185,11 @@ class XAttentionPolicy:
         of units, one compilation per power of two. A longer call is a ValueError.
     """
 
-    def __init__(self, threshold: float = 0.95, stride: int = 8,
-                 estimate_block_size: int = 1024, *, selection_unit: int | None = None,
-                 rule: str = "score", keep_first: bool = True, keep_last: bool = True,
-                 per_kv_head: bool = False, norm: float = 1.0, impl: str = "auto",
+    def __init__(self, threshold: float = KV_THRESHOLD, stride: int = STRIDE,
+                 estimate_block_size: int = ESTIMATE_BLOCK_SIZE, *,
+                 selection_unit: int | None = None, rule: str = "score",
+                 keep_first: bool = True, keep_last: bool = True, per_kv_head: bool = False,
+                 norm: float = NORM, impl: str = "auto",
                  max_context: int | None = None):
         self.threshold = check_share("threshold", threshold)
         self.estimate_block_size = check_estimate_block_size(estimate_block_size, stride)

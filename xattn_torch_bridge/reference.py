@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from xattn_jax.defaults import BLOCK_SIZE, NORM, ORIGINAL_THRESHOLD, STRIDE
 
 RULES = ("score", "vote")
 
@@ -30,7 +31,7 @@ RULES = ("score", "vote")
 # --- section 1 ------------------------------------------------------------------------
 
 def strided_scores(q: torch.Tensor, k: torch.Tensor, stride: int,
-                   norm: float = 1.0) -> torch.Tensor:
+                   norm: float = NORM) -> torch.Tensor:
     """Antidiagonal scores A, `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`.
 
     A[b, h, i, j] = sum_s q[b, h, i*S + S-1-s] . k[b, h // g, j*S + s] / (sqrt(D) * S * norm)
@@ -145,8 +146,9 @@ def _per_head(threshold, heads: int) -> list[float]:
 
 # --- sections 1-4 ---------------------------------------------------------------------
 
-def xattn_estimate(q: torch.Tensor, k: torch.Tensor, block_size: int = 128, stride: int = 8,
-                   threshold=0.9, causal: bool = True, norm: float = 1.0,
+def xattn_estimate(q: torch.Tensor, k: torch.Tensor, block_size: int = BLOCK_SIZE,
+                   stride: int = STRIDE, threshold=ORIGINAL_THRESHOLD, causal: bool = True,
+                   norm: float = NORM,
                    keep_sink: bool = False,
                    keep_recent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sections 1-4: `(block_sums, mask)`, `[B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]`.
@@ -182,7 +184,7 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
 # --- section 5 ------------------------------------------------------------------------
 
 def kv_block_scores(q: torch.Tensor, k: torch.Tensor, kv_block_size: int,
-                    estimate_block_size: int, stride: int, norm: float = 1.0,
+                    estimate_block_size: int, stride: int, norm: float = NORM,
                     k_len: int | None = None, per_query_block: bool = False) -> torch.Tensor:
     """Softmax mass of a chunk's queries in each KV-cache block: `[B, Hq, N]`.
 

@@ -3,12 +3,14 @@
 It builds structured q and k (`xattn_jax.demo.synthetic`: attention sinks, a local window,
 vertical and diagonal stripes, noise), times the jitted `xattn_estimate`, measures the
 mask's density and its exact recall (`xattn_jax.demo.recall`), prints a short report and writes
-a PNG of one head's block sums and block mask.
+a PNG of one head's block sums and block mask. The plot needs matplotlib (the `demo` extra):
+without it the demo stops before computing anything, saying what to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
@@ -18,6 +20,7 @@ import numpy as np
 
 from xattn_jax import impls
 from xattn_jax.api import xattn_estimate
+from xattn_jax.defaults import BLOCK_SIZE, ORIGINAL_THRESHOLD, STRIDE
 from xattn_jax.demo.recall import Coverage, coverage
 from xattn_jax.demo.synthetic import structured_qk
 from xattn_jax.geometry import cdiv
@@ -38,10 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=_positive_int, default=8192, help="tokens (Lq = Lk)")
     p.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension D")
-    p.add_argument("--stride", type=int, default=8, help="antidiagonal stride S")
-    p.add_argument("--block-size", type=int, default=128,
+    p.add_argument("--stride", type=int, default=STRIDE, help="antidiagonal stride S")
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                    help="block size in tokens, a multiple of the stride")
-    p.add_argument("--threshold", type=float, default=0.9,
+    p.add_argument("--threshold", type=float, default=ORIGINAL_THRESHOLD,
                    help="share of each row's estimated mass to keep, in (0, 1]")
     p.add_argument("--impl", choices=impls.IMPLS, default="auto", help="estimate implementation")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic example")
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     """Parses `argv` (default: the command line), runs the demo, prints its report."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("the demo's plot needs matplotlib: pip install 'xattn-jax[demo]'")
     if not 0 <= args.head < args.heads:
         parser.error(f"--head must lie in [0, {args.heads}), got {args.head}")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):

@@ -1,6 +1,7 @@
 """Pallas Mosaic GPU kernels for Hopper (sm_90): block-sparse attention on the estimate's
 mask (`xattn_jax.mosaic.attention`) and the estimate's fused block sums
-(`xattn_jax.mosaic.block_sums`: impl="mosaic", and "auto" on Hopper).
+(`xattn_jax.mosaic.estimate`), run by the Mosaic backend (`backend`: impl="mosaic", and
+"auto" on Hopper).
 
 Importing this package never imports Mosaic GPU (it fails to import on some jax/CPU
 installs); `available()` says whether the kernels can run.
@@ -11,8 +12,10 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 
 HOPPER_MAJOR = 9
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # both kernels' operands
 # The Mosaic GPU names the kernels use; an older jax lacking one cannot run it.
 _MOSAIC_API = ("kernel", "CompilerParams", "SMEM", "Barrier", "ACC", "Layout",
                "TilingTransform", "SwizzleTransform", "copy_gmem_to_smem",

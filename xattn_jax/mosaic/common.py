@@ -1,5 +1,5 @@
-"""What the two Mosaic GPU kernels (`kernel`: attention; `tile_stats`: the estimate's
-statistics) share: the warpgroup axis, their registers per thread, and the shared-memory
+"""What the two Mosaic GPU kernels (`attention.kernel`; `estimate.kernel`, the
+estimate's statistics) share: the warpgroup axis, their registers per thread, and the shared-memory
 layout of their wgmma operand tiles. Imports Mosaic GPU."""
 
 from __future__ import annotations

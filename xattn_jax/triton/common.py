@@ -6,8 +6,8 @@ The grid is (column group, row tile, batch, query head). Pallas' Triton backend 
 first two axes into CUDA's x, which the GPU launches fastest, so the programs running at
 one time are the row tiles and key-column groups of one head: they share that head's keys
 (and GQA's query heads one key head) in L2. With batch and head first, the programs
-running together spanned every head, and the one-pass kernel was 1.3x slower at 64K
-tokens (docs/tuning.md: triton-launch-order).
+running together spanned every head, and the one-pass kernel was slower
+(docs/tuning.md: triton-launch-order).
 
 q and k are read in place in their `[B, H, L, D]` layout: a reshaped row is `S` token
 rows of the original tensor, gathered by index inside the kernel, so there is no padded,
@@ -96,7 +96,7 @@ def load_tokens(ref, tokens: jax.Array, length, head_dim: int, part=0,
     length: rows at or past it read as zeros (an int, or a traced int32 read before the
     kernel's loop: a scalar load inside the loop costs the pipeline its stages). None:
     the caller has checked that every token is a row of ref, and the load has no row
-    mask: Triton pipelines unmasked q and k loads 9-12% faster (docs/tuning.md:
+    mask: Triton pipelines unmasked q and k loads better (docs/tuning.md:
     triton-unmasked-loads). Columns past head_dim read as zeros.
     """
     cols, col_mask = _head_columns(head_dim, part, depth)
@@ -116,8 +116,8 @@ def tile_pages(table_ref, pages_ref, col0, cols: int, stride: int):
     last one, and page numbers are clamped into the cache: tiles or entries past the
     sequence's pages may hold anything, and their loads are masked or their columns
     unseen. A vector even where a whole tile lies in one page: Triton pipelines this
-    load, where a scalar read of the tile's one entry cost a 64K-token call 22% more than
-    reading an entry per token (docs/tuning.md: triton-paged-table-reads).
+    load, and not a scalar read of the tile's one entry (docs/tuning.md:
+    triton-paged-table-reads).
     """
     num_pages, page_size = pages_ref.shape[:2]
     if page_size % stride:

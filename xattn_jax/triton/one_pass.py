@@ -68,7 +68,7 @@ def _tile_stats_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: floa
             store(col_tile, m, x, x.sum(axis=1))
 
     # One loop over (key tile, step) pairs: Triton pipelines the loads across key tiles
-    # (measured 2-12% faster than a loop over tiles around `score_tile`'s loop). A paged
+    # (docs/tuning.md: triton-tile-step-loop). A paged
     # cache's table is read once per tile, a tile ahead: `pages` and `next_pages` are the
     # pages of the tile the step is in and of the one after (None for a contiguous k).
     steps = tile.steps

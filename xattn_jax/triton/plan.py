@@ -48,29 +48,23 @@ class Tiles:
                              f"{self.block_d}")
 
 
-# By input itemsize. 2 bytes (bf16 / f16): 128 x 256 tiles, 8 warps, 4 stages, the head
-# dim in steps of 64 (192 KiB of shared memory): 1.1-1.15x over 128 x 128 tiles taking
-# the whole head dim in 3 stages (docs/tuning.md: triton-tile-2byte). 4 bytes (float32,
-# the exactness path): twice the shared memory per tile, so 32 x 32 (a 64 x 64 tile with
-# 2 stages asked for 256 KiB, over the H200's 227 KiB; docs/tuning.md: triton-tile-4byte).
+# By input itemsize. 2 bytes: wide tiles, the head dim in steps, 4 stages in 192 KiB of
+# shared memory (docs/tuning.md: triton-tile-2byte); 4 bytes (float32, the exactness
+# path): the largest tile within the shared memory (docs/tuning.md: triton-tile-4byte).
 TUNED = {2: Tiles(block_q=128, block_k=256, block_d=64, num_warps=8, num_stages=4),
          4: Tiles(block_q=32, block_k=32, block_d=None, num_warps=4, num_stages=2)}
 BASE_HEAD_DIM = 128  # larger head dims shrink the tile (docs/tuning.md: triton-head-dim-shrink)
 # key tiles per one-pass program (docs/tuning.md: triton-span, triton-causal-span)
 SPAN, CAUSAL_SPAN = 8, 2
 MIN_PROGRAMS = 1024  # smaller grids split the keys further (docs/tuning.md: triton-min-programs)
-# The selection program: rows x padded key blocks it holds, and its warps, by the
-# padded width up to which they apply (the last: every wider row). At widths 256-2048
-# each is the fastest of 1-16 rows with 2-8 warps measured on the H200 (5-11% faster than
-# the earlier 4096 elements with 4 or 8 warps at widths 512-2048, within the spread at
-# 256); wider rows, not measured, keep those (docs/tuning.md: select-programs).
+# The selection program: (the padded width up to which it applies, None for every wider
+# row; the elements, rows x padded key blocks, it holds; its warps), the fastest at each
+# width (docs/tuning.md: select-programs).
 SELECT_PROGRAMS = ((512, 1024, 2), (2048, 2048, 4), (None, 4096, 8))
 # A causal selection's row tiles run in up to SELECT_WIDTHS kernel calls, by the padded
 # width their rows' allowed blocks need (`plan_select_blocks`): W, W / 2, .. (W: kb
-# padded to a power of two), none narrower than min(W / 2, SELECT_MIN_WIDTH); the
-# narrower calls search fewer blocks in each of their 31 steps (at Lq = Lk, 3/4 of them
-# in 2 widths, 11/16 in 3). On the H200 3 widths took causal 1M's selection from 21.5
-# to 15.6 ms, and calls narrower than 512 blocks lose more to their launch than their
+# padded to a power of two), none narrower than min(W / 2, SELECT_MIN_WIDTH): narrower
+# calls search fewer blocks per step, below that width the launch costs more than the
 # rows save (docs/tuning.md: select-widths).
 SELECT_WIDTHS = 3
 SELECT_MIN_WIDTH = 512
@@ -200,8 +194,8 @@ def _call_shape(plan: Plan, max_scratch_bytes: int) -> tuple[int, int] | None:
     Every row of as many heads as fit (all heads if they do: one call); else one head,
     its rows in steps that are multiples of both block_q and block_rows. A call's
     programs then share one head's keys, which stay in L2; steps over all heads with a
-    few rows each read every head's keys again in every step, and measured 2-10% slower
-    (docs/tuning.md: triton-head-steps). None if not even one row step of one head fits.
+    few rows each read every head's keys again in every step (docs/tuning.md:
+    triton-head-steps). None if not even one row step of one head fits.
     """
     geom = plan.geom
     all_rows = plan.padded_rows

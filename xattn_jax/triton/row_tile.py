@@ -37,7 +37,7 @@ class RowTile:
 
     Loads are unmasked wherever every token they read lies in its buffer: the query rows
     read end within Lq, and for keys `Plan.keys_fit` and `whole_groups`. Triton pipelines
-    unmasked q and k loads 9-12% faster (docs/tuning.md: triton-unmasked-loads).
+    unmasked q and k loads better (docs/tuning.md: triton-unmasked-loads).
     """
 
     def __init__(self, q_ref, k_ref, table_ref, scalars_ref, *, plan: Plan, causal: bool,

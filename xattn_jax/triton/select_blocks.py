@@ -5,10 +5,9 @@ The rule takes candidate blocks in descending order while the selected total is 
 the mass of candidates >= x, the last value taken is x* = max{x : G(x) >= target}. Block
 sums are non-negative floats, whose order is the order of their int32 bit patterns, so a
 31-step bisection over the bit patterns finds x* exactly: its bits from the top, each set
-where G still reaches the target with it. The steps are unrolled (on the H200 6-16%
-faster than a loop of them; the kernel is bound by the steps' arithmetic: 2-4 bits a step,
-3-15 thresholds, ran slower in proportion; docs/tuning.md: select-bisection-unrolled). Everything
-above x* is taken; blocks equal to x* are taken in index order (a running count) while
+where G still reaches the target with it. The steps are unrolled (the kernel is bound by
+the steps' arithmetic; docs/tuning.md: select-bisection-unrolled). Everything above x* is
+taken; blocks equal to x* are taken in index order (a running count) while
 still below target.
 
 A program holds `rows` rows of one (batch, query head), each padded to the power-of-two
@@ -16,8 +15,8 @@ width Triton's tiles need. Nothing is read or written outside the arrays: the bl
 are read in place, by indices clamped into `[qb, kb]` under a mask (padding reads as
 zero), with no padded copy of the float32 input; the bool mask is written unmasked into
 an output padded to whole tiles, cut to `[qb, kb]` after (no copy where nothing is
-padded; an int8 output and a conversion pass measured 11-41 µs slower on the H200,
-docs/tuning.md: select-bool-output). A causal selection runs in several kernel calls
+padded; an int8 output and a conversion pass were slower, docs/tuning.md:
+select-bool-output). A causal selection runs in several kernel calls
 (`plan.SelectPlan`): a row tile's search holds only the narrowest power of two of its
 row's blocks that includes its diagonal, summing the later ones into the row total
 only, and each call writes its row tiles into the same mask in place.

@@ -1,5 +1,5 @@
 """The Mosaic block sums' epilogue (docs/estimate.md sections 2-3) as one Triton-backend
-Pallas kernel over the statistics `xattn_jax.mosaic.tile_stats` wrote
+Pallas kernel over the statistics `xattn_jax.mosaic.estimate.kernel` wrote
 (`EstimatePlan.stats_epilogue`): `row_statistics.combine`'s math, without XLA's several
 reductions over the statistics (and, folded, their unfolding).
 
@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import cdiv, next_pow2
-from xattn_jax.mosaic.estimate_plan import EstimatePlan
-from xattn_jax.mosaic.grid import visible_tiles
+from xattn_jax.mosaic.estimate.grid import visible_tiles
+from xattn_jax.mosaic.estimate.plan import EstimatePlan
 from xattn_jax.partitioning import kernel_output
 from xattn_jax.row_statistics import fit, row_counts
 

@@ -2,8 +2,8 @@
 2), and the tables its grids walk: the compacted grid's cells, the folded statistics'
 places, the persistent grid's work items, the row steps and their epilogue loops.
 
-Shared by the plan (`estimate_plan`), the kernel (`tile_stats`), its wrapper
-(`block_sums`) and the Triton-backend epilogue (`xattn_jax.triton.stats_epilogue`). Row
+Shared by the plan (`plan`), the kernel (`kernel`), its wrapper (`block_sums`) and the
+Triton-backend epilogue (`stats_epilogue`). Row
 indices are reshaped query rows; a function given host ints or numpy arrays computes in
 numpy (a plan's tables at trace time, without compiling XLA ops per shape), given traced
 values in jax.numpy.

@@ -1,12 +1,12 @@
 """Sections 1-3 fused on Hopper: the Mosaic GPU block sums.
 
 `block_sums` pads q (and a contiguous k) to whole tiles, runs the statistics kernel
-(`tile_stats`, imported on first call: this module imports with any jax) in one kernel
+(`kernel.tile_stats`, imported on first call: this module imports with any jax) in one kernel
 call or in the plan's steps (`row_statistics.in_steps`), and normalizes the statistics
 exactly: with XLA's reductions (`row_statistics.combine`, the Triton one-pass kernel's
 epilogue; tiles a row tile never sees, which the kernel does not write, read as empty),
 in place when folded (`_folded_block_sums`), or with the Triton-backend epilogue kernel
-(`xattn_jax.triton.stats_epilogue`). With a count of keys in use, the kernel reads the
+(`stats_epilogue`). With a count of keys in use, the kernel reads the
 tile holding the last key from a copy whose later tokens are zero (`_tail_tile`: a
 partly filled stride group reads zeros, section 1).
 """
@@ -19,10 +19,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xattn_jax.mosaic.estimate_plan import COLUMN_TILE, EstimatePlan
-from xattn_jax.mosaic.grid import (epilogue_steps, row_step, row_tiles_seen, tail_tile,
-                                   visible_tiles)
-from xattn_jax.triton import stats_epilogue
+from xattn_jax.mosaic.estimate import stats_epilogue
+from xattn_jax.mosaic.estimate.grid import (epilogue_steps, row_step, row_tiles_seen,
+                                            tail_tile, visible_tiles)
+from xattn_jax.mosaic.estimate.plan import COLUMN_TILE, EstimatePlan
 from xattn_jax.row_statistics import (LOG2_E, blocks_of_units, combine, fit, in_steps,
                                      row_counts, row_weights)
 
@@ -148,10 +148,10 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, norm: float,
     into the cache). key_len: int32 `[1]`, the keys in use (non-causal calls; default
     all Lk, more counts as Lk): later keys are never seen, whatever the buffer holds
     there, and one compiled kernel serves every count. plan: from
-    `estimate_plan.estimate_plan` for this geometry, dtype and page size. Arguments are
+    `plan.estimate_plan` for this geometry, dtype and page size. Arguments are
     assumed checked (`xattn_jax.checks`).
     """
-    from xattn_jax.mosaic import tile_stats  # imports Mosaic GPU: only where it runs
+    from xattn_jax.mosaic.estimate import kernel  # imports Mosaic GPU: only where it runs
 
     geom = plan.geom
     keys, table = _keys(k, block_table, plan)
@@ -171,10 +171,10 @@ def block_sums(q: jax.Array, k: jax.Array, *, plan: EstimatePlan, norm: float,
         """`[B, plan.heads, q_blocks, kb]` of the heads from first_head and the rows from
         first_row, whose epilogue reads the statistics of the first `slots` key tiles
         (no row of the step sees a later one)."""
-        first = jnp.asarray(first_row, jnp.int32)[None] // COLUMN_TILE  # tile_stats' unit
+        first = jnp.asarray(first_row, jnp.int32)[None] // COLUMN_TILE  # the kernel's unit
         scalars = jnp.concatenate([kernel_keys, first,
                                    jnp.asarray(first_head, jnp.int32)[None]])
-        stats = tile_stats.tile_stats(queries, keys, table, tail, scalars, plan=plan,
+        stats = kernel.tile_stats(queries, keys, table, tail, scalars, plan=plan,
                                       scale=scale, step=row_step(plan, first_row))
         if plan.stats_epilogue:  # one kernel, folded or not
             epilogue_scalars = jnp.stack([jnp.asarray(v, jnp.int32)

@@ -40,11 +40,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.common import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      tile_transforms)
-from xattn_jax.mosaic.estimate_plan import (BLOCK_D, COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
+from xattn_jax.mosaic.estimate.grid import (folded_place, items_table, listed_pair_walk,
+                                            seen_columns, tail_tile, unmasked_tiles,
+                                            visible_tiles, walked_cells, work_items)
+from xattn_jax.mosaic.estimate.plan import (BLOCK_D, COLUMN_TILE, CONSUMERS, WGMMA_ROWS,
                                             EstimatePlan)
-from xattn_jax.mosaic.grid import (folded_place, items_table, listed_pair_walk,
-                                   seen_columns, tail_tile, unmasked_tiles, visible_tiles,
-                                   walked_cells, work_items)
 
 PERSISTENT_AXIS = "ctas"
 PAIR_AXIS = "pairs"  # (batch, query head) pairs: batch x Hq + head

@@ -1,4 +1,4 @@
-"""The tuned rules that shape a Mosaic block-sum call (`estimate_plan.EstimatePlan`): its
+"""The tuned rules that shape a Mosaic block-sum call (`plan.EstimatePlan`): its
 key tile and ring, its key groups, whether its statistics fold, in which steps it runs
 within the scratch bound, and on which grid. Each rule names its docs/tuning.md entry.
 """
@@ -10,7 +10,7 @@ import dataclasses
 import jax
 
 from xattn_jax.geometry import cdiv
-from xattn_jax.mosaic import grid
+from xattn_jax.mosaic.estimate import grid
 from xattn_jax.mosaic.smem import SMEM_BYTES
 
 BLOCK_K = 256  # reshaped key columns per key tile (docs/tuning.md: mosaic-streamed-queries)

@@ -1,5 +1,5 @@
 """The plan of one Mosaic GPU block-sum call (docs/estimate.md sections 1-3): a hashable
-value the kernel (`tile_stats`) and its wrapper (`block_sums`) read. `estimate_plan`
+value the kernel (`kernel.tile_stats`) and its wrapper (`block_sums`) read. `estimate_plan`
 makes it (the tuned rules are in `heuristics`); `unsupported_reason` says which calls the
 kernel does not take. Plain Python: no Mosaic GPU import.
 
@@ -18,8 +18,8 @@ import math
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry, cdiv
-from xattn_jax.mosaic import grid, heuristics
-from xattn_jax.mosaic.plan import SUPPORTED_DTYPES
+from xattn_jax.mosaic import SUPPORTED_DTYPES
+from xattn_jax.mosaic.estimate import grid, heuristics
 from xattn_jax.mosaic.smem import smem_bytes
 from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES, UnitSums
 

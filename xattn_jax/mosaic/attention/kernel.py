@@ -2,7 +2,7 @@
 
 One CTA = `plan.compute_warpgroups` consumer warpgroups of `plan.block_q` query rows each
 (consecutive rows of one head) + one producer warpgroup. The CTA reads its entry of the
-key-tile lists (`attention.key_tile_lists`): `counts[0]` selected key tiles whose indices
+key-tile lists (`block_sparse_attention.key_tile_lists`): `counts[0]` selected key tiles whose indices
 are `tiles[0:counts[0]]`, ascending; `counts[1 + w]` of them need no per-element mask for
 consumer w. Skipped tiles cost nothing: the producer copies only listed tiles (TMA, into
 `plan.stages` shared-memory slots) and the consumers multiply only those.
@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from xattn_jax.mosaic.common import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, WG_AXIS,
                                      tile_transforms)
-from xattn_jax.mosaic.plan import AttentionPlan
+from xattn_jax.mosaic.attention.plan import AttentionPlan
 from xattn_jax.row_statistics import LOG2_E
 
 LN_2 = math.log(2.0)

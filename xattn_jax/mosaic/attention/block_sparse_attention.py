@@ -1,5 +1,5 @@
 """Block-sparse attention on the estimate's mask (docs/estimate.md section 6) with the
-Mosaic GPU kernel of `xattn_jax.mosaic.kernel` (Hopper, sm_90).
+Mosaic GPU kernel of `xattn_jax.mosaic.attention.kernel` (Hopper, sm_90).
 
 `block_sparse_attention` builds, on the device and in plain JAX, one compact list of key
 tiles per (batch, query head, CTA query tile) from the mask (`key_tile_lists`), pads q/k/v
@@ -11,11 +11,11 @@ a caller choosing an implementation ("auto") falls back to the reference when ei
 not None, as `block_sparse_attention` raises ValueError for such arguments.
 
 Paged caches (`block_table`) are read in place; their pages must hold a multiple of
-`plan.block_kv` tokens. Padding cost: when Lq is not a multiple of `plan.rows_per_cta` (128)
-or a contiguous Lk not a multiple of `plan.block_kv`, q (resp. k and v) are copied once into padded arrays (jnp.pad) and the
-output slice is one more copy: a memory pass over q, k, v and out, small next to the
-attention itself at the lengths this kernel is for. Padded keys are masked in the kernel;
-padded query rows are computed and dropped.
+`plan.block_kv` tokens. Padding cost: when Lq is not a multiple of `plan.rows_per_cta`
+(128) or a contiguous Lk not a multiple of `plan.block_kv`, q (resp. k and v) are copied
+once into padded arrays (jnp.pad) and the output slice is one more copy: a memory pass
+over q, k, v and out, small next to the attention itself at the lengths this kernel is
+for. Padded keys are masked in the kernel; padded query rows are computed and dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from xattn_jax.geometry import cdiv
 from xattn_jax.mosaic import available
-from xattn_jax.mosaic.plan import AttentionPlan, attention_plan, unsupported_reason
+from xattn_jax.mosaic.attention.plan import (AttentionPlan, attention_plan,
+                                            unsupported_reason)
 
 __all__ = ["AttentionPlan", "KeyTileLists", "attention_plan", "available",
            "block_sparse_attention", "key_tile_lists", "unsupported_reason"]
@@ -135,7 +136,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
                           page_size=page_size, block_kv=block_kv, stages=stages)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    from xattn_jax.mosaic import kernel  # imports Mosaic GPU: only where it can run
+    from xattn_jax.mosaic.attention import kernel  # imports Mosaic GPU: only where it runs
 
     lists = key_tile_lists(mask, q_len=q_len, k_len=k_len, block_size=block_size,
                            causal=causal, plan=plan, keys_in_use=keys_in_use)

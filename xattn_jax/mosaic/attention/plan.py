@@ -17,13 +17,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from xattn_jax.mosaic import SUPPORTED_DTYPES
 from xattn_jax.mosaic.smem import SMEM_BYTES, smem_bytes
 
 COMPUTE_WARPGROUPS = 2  # consumers whose softmax overlaps the other one's matmuls
 BLOCK_Q = 64  # query rows per consumer warpgroup (one wgmma M tile)
 BLOCK_KV_BY_HEAD_DIM = {64: 128, 128: 128, 256: 64}  # keys per tile (timed at D 128)
 STAGES = 2  # key/value tiles in flight
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
