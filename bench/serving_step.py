@@ -45,13 +45,13 @@ import numpy as np  # noqa: E402
 from bench.common import (MATMUL_FLOPS, latency_ms, log, matmul_tflops, record,  # noqa: E402
                           report, strided_flops, time_ms, write_outputs)
 from xattn_jax import ragged_xattention, xattention, xattn_estimate  # noqa: E402
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD  # noqa: E402
+from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, THRESHOLD  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 from xattn_jax.geometry import cdiv  # noqa: E402
-from xattn_jax.ragged import ops  # noqa: E402
+from xattn_jax import impls  # noqa: E402
+from xattn_jax.ragged.api import ragged_mask  # noqa: E402
 from xattn_jax.ragged.checks import check_step  # noqa: E402
 from xattn_jax.ragged.layout import ragged_blocks  # noqa: E402
-from xattn_jax.ragged.select import select_ragged  # noqa: E402
 
 BLOCK, STRIDE = 128, 8
 
@@ -146,15 +146,15 @@ def build_step(shape: StepShape, page_size: int, dtype=jnp.bfloat16) -> Step:
 def ragged_mask_call(step: Step, impl: str):
     """The ragged step's estimate alone (layout, block sums, selection), jitted."""
     geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
-    implementation = ops.resolve(impl, step.args[0], geom)
+    estimate = impls.resolve_ragged(impl, step.args[0]).for_step(geom,
+                                                                  step.args[0].dtype).estimate
     threshold = jnp.full((geom.q_heads,), THRESHOLD, jnp.float32)
 
     @jax.jit
     def call(q, k, v, kv_lens, table, cu, num_seqs):
         blocks = ragged_blocks(cu, kv_lens, num_seqs, jnp.int32(step.decode_seqs), geom)
-        sums = implementation.block_sums(q, k, table, blocks, geom, norm=1.0)
-        return select_ragged(sums, threshold, blocks, select=implementation.select,
-                             min_blocks=MIN_BLOCKS, dense_last=DENSE_LAST)
+        return ragged_mask(q, k, table, blocks, threshold, geom, estimate=estimate, norm=1.0,
+                           min_blocks=MIN_BLOCKS, dense_last=DENSE_LAST)
 
     return call
 

@@ -12,7 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import jax  # noqa: E402
 import xattn_jax  # noqa: E402
+from xattn_jax import defaults, impls  # noqa: E402
 import xattn_torch_bridge as xb  # noqa: E402
 from ragged_steps import make_step, random_lengths  # noqa: E402
 from xattn_torch_bridge import ragged as bridge_ragged  # noqa: E402
@@ -41,8 +43,9 @@ def test_equals_the_jax_call_and_writes_out(rand):
 def test_one_compilation_per_bucket(rand):
     """Steps of 90-120 queries and 3-4 live requests over one cache pad to one bucket
     (128 rows, 4 slots, 4 table columns)."""
-    compiled = bridge_ragged._compiled(None, BLOCK, 8, xattn_jax.attention.MIN_BLOCKS,
-                                       xattn_jax.attention.DENSE_LAST, "reference")
+    compiled = bridge_ragged._compiled(None, BLOCK, 8, defaults.MIN_BLOCKS,
+                                       defaults.DENSE_LAST,
+                                       impls.resolve_ragged("auto", device=jax.devices("cpu")[0]))
     before = compiled._cache_size()
     for _ in range(4):
         lengths = random_lengths(rand.rng, int(rand.rng.integers(3, 5)), block_size=BLOCK,

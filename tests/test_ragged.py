@@ -330,9 +330,9 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a C
 def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
     """A bf16 step of Llama-like heads (Hq 32, Hkv 8, D 128, block 128): the auto
     implementation's block sums and output against the reference's."""
+    from xattn_jax import impls
     from xattn_jax.ragged.checks import check_step
     from xattn_jax.ragged.layout import ragged_blocks
-    from xattn_jax.ragged import ops
 
     lengths = [(1, 700), (1, 3000), (512, 2048), (700, 2500), (300, 300), (2048, 4096)]
     step = make_step(rand.rng, lengths, q_heads=32, kv_heads=8, head_dim=128,
@@ -344,10 +344,12 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
     geom, kv_lens, table, cu, num_seqs, decode = check_step(*args, None, **options)
     blocks = ragged_blocks(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, decode, geom)
     cache = ragged_api._fused_pairs(jnp.asarray(k)) if fused else jnp.asarray(k)
-    auto = ops.resolve("auto", jnp.asarray(step.q), geom)
-    assert auto.estimate == "triton"
-    got, want = (impl.block_sums(jnp.asarray(step.q), cache, jnp.asarray(table), blocks,
-                                 geom, norm=1.0) for impl in (auto, ops.RaggedOps()))
+    auto = impls.resolve_ragged("auto", jnp.asarray(step.q)).for_step(geom,
+                                                                      step.q.dtype).estimate
+    assert auto.name in ("mosaic", "triton")
+    got, want = (impl.ragged_block_sums(jnp.asarray(step.q), cache, jnp.asarray(table),
+                                        blocks, geom, norm=1.0)
+                 for impl in (auto, impls.resolve("reference")))
     rows = np.asarray(blocks.estimated[blocks.row_seq] & blocks.row_live)
     np.testing.assert_allclose(np.asarray(got)[:, rows], np.asarray(want)[:, rows],
                                rtol=2e-4, atol=2e-5, err_msg=str(rand))

@@ -13,7 +13,8 @@ runs this call outside graph capture (vLLM's piecewise graphs leave attention ou
 graphs) and keeps decode-only steps in its graphs with its own kernel, or runs them here
 too: decode rows attend densely.
 
-Forward only: tensors that require grad are detached.
+Forward only: an input that requires grad is refused while torch's grad mode is on
+(`dlpack.forward_only`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import jax
 import torch
 import torch.nn.functional as F
 import xattn_jax
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
+from xattn_jax import impls
+from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, STRIDE, THRESHOLD
 from xattn_jax.checks import check_int, threshold_per_head
 from xattn_jax.geometry import next_pow2
 
-from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, place_of, to_torch,
+from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, forward_only, place_of, to_torch,
                                        views_for_one_computation)
-from xattn_torch_bridge.estimate import _detached
 
 MIN_TOKEN_BUCKET = 16  # the smallest padded query count
 TOKEN_BUCKET_STEP = 8192  # past this many queries, buckets grow in steps of it
@@ -71,7 +72,8 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       seqused_k: torch.Tensor, max_seqlen_k: int,
                       block_table: torch.Tensor, out: torch.Tensor | None = None,
                       softmax_scale: float | None = None, causal: bool = True,
-                      threshold=THRESHOLD, block_size: int = 128, stride: int = 8,
+                      threshold=THRESHOLD, block_size: int = BLOCK_SIZE,
+                      stride: int = STRIDE,
                       min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
                       impl: str = "auto", **flash_attn_options) -> torch.Tensor:
     """XAttention for one serving step of torch tensors, in flash-attn's varlen terms.
@@ -113,7 +115,7 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
         if name in ("q", "k", "v"):
-            checked[name] = place_of(_detached(tensor), name, False, FLOAT_DTYPES)
+            checked[name] = place_of(forward_only(tensor, name), name, False, FLOAT_DTYPES)
         elif tensor.dtype != torch.int32:
             raise ValueError(f"{name} must have dtype int32, got {tensor.dtype}")
     places = {place for _, place in checked.values()}
@@ -144,7 +146,7 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     t = threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold
     t = jax.device_put(threshold_per_head(t, q.shape[1]), place.jax_device)
     run = _compiled(softmax_scale, block_size, stride, min_blocks, dense_last,
-                    impl if place.index is not None or impl != "auto" else "reference")
+                    impls.resolve_ragged(impl, device=place.jax_device))
     result = to_torch(run(*views, t))[:q.shape[0]]
     if out is None:
         return result
@@ -168,8 +170,8 @@ def _padded_step(q, cu_seqlens_q, seqused_k, block_table):
 @functools.lru_cache(maxsize=64)
 def _compiled(scale, block_size, stride, min_blocks, dense_last, impl):
     """`xattn_jax.ragged_xattention` jitted over (q, k, v, kv_lens, table, cu, threshold)
-    for one set of options (every slot of the padded step is a live request, the padded
-    ones empty)."""
+    for one set of options and the backends resolved for the tensors' device (every slot
+    of the padded step is a live request, the padded ones empty)."""
     def call(q, k, v, kv_lens, table, cu, threshold):
         return xattn_jax.ragged_xattention(
             q, k, v, kv_lens, table, cu, kv_lens.shape[0], threshold=threshold,

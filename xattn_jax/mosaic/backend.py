@@ -73,9 +73,16 @@ class MosaicBackend(Backend):
                                      block_table=block_table)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
-                      keep_recent: bool) -> jax.Array:
+                      keep_recent: bool, diagonal=None) -> jax.Array:
         return self.companion.select_blocks(sums, threshold, causal=causal,
-                                            keep_sink=keep_sink, keep_recent=keep_recent)
+                                            keep_sink=keep_sink, keep_recent=keep_recent,
+                                            diagonal=diagonal)
+
+    def ragged_unsupported(self, op: str, geom, dtype) -> str | None:
+        return self.companion.ragged_unsupported(op, geom, dtype)
+
+    def ragged_block_sums(self, q, k, page_indices, blocks, geom, *, norm: float):
+        return self.companion.ragged_block_sums(q, k, page_indices, blocks, geom, norm=norm)
 
     def block_sparse_attention(self, q, k, v, mask, **kwargs):
         page_size = None if kwargs.get("block_table") is None else k.shape[1]

@@ -14,11 +14,11 @@ from typing import NamedTuple
 
 import jax
 
-from xattn_jax import partitioning
-from xattn_jax.attention import DENSE_LAST, MIN_BLOCKS, THRESHOLD
+from xattn_jax import impls, partitioning
+from xattn_jax.backend import Backend
+from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE, THRESHOLD
 from xattn_jax.checks import check_flag, check_int, check_norm, check_scale, \
     threshold_per_head
-from xattn_jax.ragged import ops
 from xattn_jax.ragged.checks import check_step
 from xattn_jax.ragged.geometry import RaggedGeometry
 from xattn_jax.ragged.layout import ragged_blocks
@@ -48,18 +48,35 @@ def _fused_pairs(k: jax.Array) -> jax.Array:
     return k.reshape(*k.shape[:2], k.shape[2] // 2, 2, k.shape[3])
 
 
+def ragged_mask(q, k, page_indices, blocks, threshold, geom: RaggedGeometry, *,
+                estimate: Backend, norm: float, min_blocks: int,
+                dense_last: int) -> jax.Array:
+    """The step's estimate: block sums on `estimate`, then the selection (bool `[Hq, QB,
+    KB]`); k as the backends take it (a fused cache viewed `[.., Hkv, 2, D]`)."""
+    sums = estimate.ragged_block_sums(q, k, page_indices, blocks, geom, norm=norm)
+
+    def select(sums, threshold, *, diagonal):
+        return estimate.select_blocks(sums, threshold, causal=True, keep_sink=False,
+                                      keep_recent=False, diagonal=diagonal)
+
+    return select_ragged(sums, threshold, blocks, select=select, min_blocks=min_blocks,
+                         dense_last=dense_last)
+
+
 def _ragged_core(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs,
-                 threshold, *, step: RaggedGeometry, impl: ops.RaggedOps, norm: float,
-                 scale: float | None, min_blocks: int, dense_last: int, return_mask: bool):
-    geom = ops.local_geometry(step, q, k)  # a shard's heads under partitioning
+                 threshold, *, step: RaggedGeometry, impl: impls.RaggedBackends,
+                 norm: float, scale: float | None, min_blocks: int, dense_last: int,
+                 return_mask: bool):
+    geom = step.local(q, k)  # a shard's heads under partitioning
+    impl = impl.for_step(geom, q.dtype)
     if geom.fused:
         k = _fused_pairs(k)
     blocks = ragged_blocks(cu_q_lens, kv_lens, num_seqs, decode_seqs, geom)
-    sums = impl.block_sums(q, k, page_indices, blocks, geom, norm=norm)
-    mask = select_ragged(sums, threshold, blocks, select=impl.select,
-                         min_blocks=min_blocks, dense_last=dense_last)
-    out = impl.attention(q, k, v, page_indices, mask, blocks, geom,
-                         scale=geom.head_dim ** -0.5 if scale is None else scale)
+    mask = ragged_mask(q, k, page_indices, blocks, threshold, geom, estimate=impl.estimate,
+                       norm=norm, min_blocks=min_blocks, dense_last=dense_last)
+    out = impl.attention.ragged_attention(
+        q, k, v, page_indices, mask, blocks, geom,
+        scale=geom.head_dim ** -0.5 if scale is None else scale)
     if return_mask:
         return out, RaggedMask(mask, blocks.cu_q_blocks, blocks.first_block)
     return out
@@ -67,7 +84,8 @@ def _ragged_core(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seq
 
 def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
                       page_indices, cu_q_lens, num_seqs, *, threshold=THRESHOLD,
-                      block_size: int = 128, stride: int = 8, norm: float = 1.0,
+                      block_size: int = BLOCK_SIZE, stride: int = STRIDE,
+                      norm: float = NORM,
                       min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
                       scale: float | None = None, decode_seqs=None,
                       return_mask: bool = False, impl: str = "auto"):
@@ -96,7 +114,10 @@ def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
       decode_seqs: optional hint, as JAX serving stacks pass it: the first decode_seqs
         sequences have one query each (an int or an int32 scalar).
       return_mask: also return the `RaggedMask` (True or False).
-      impl: "auto", "reference", "triton" or "mosaic" (`xattn_jax.ragged.ops`).
+      impl: "auto", "reference", "triton" or "mosaic" (`xattn_jax.impls.resolve_ragged`:
+        a name runs each stage it has a kernel for, the reference the rest; a stage
+        whose kernel does not take the step raises a ValueError saying why, or under
+        "auto" runs on the reference).
 
     Sequences with at least block_size queries are estimated: each query block keeps
     the key blocks `xattention`'s rule selects over the sequence's own keys. Shorter
@@ -121,12 +142,12 @@ def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
         block_size=block_size, stride=stride)
     return_mask = check_flag("return_mask", return_mask)
     t = threshold_per_head(threshold, geom.q_heads)
-    implementation = ops.resolve(impl, q, geom)
     kv = ". . F ." if geom.fused else ". . K ."
     run = partitioning.on_shards(
         _ragged_core, (". H .", kv, kv, ".", ". .", ".", "", "", "H"),
         results=(". H .", "H . .", ".", ".") if return_mask else ". H .",
-        step=geom, impl=ops.resolve(impl, q, geom), norm=check_norm(norm),
-        scale=check_scale(scale), min_blocks=check_int("min_blocks", min_blocks, 0),
+        name="ragged_xattention", step=geom, impl=impls.resolve_ragged(impl, q),
+        norm=check_norm(norm), scale=check_scale(scale),
+        min_blocks=check_int("min_blocks", min_blocks, 0),
         dense_last=check_int("dense_last", dense_last, 0), return_mask=return_mask)
     return run(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs, t)

@@ -55,3 +55,9 @@ class RaggedGeometry:
         starts anywhere in a block spans fewer than n / block_size + 2 blocks, so S
         sequences of T queries together span at most T // block_size + 2 S."""
         return self.tokens // self.block_size + 2 * self.seqs
+
+    def local(self, q, k) -> RaggedGeometry:
+        """This geometry with the heads of q `[T, Hq, D]` and the cache k at hand (one
+        shard's, under partitioning; a fused cache's head axis holds 2 Hkv)."""
+        kv_heads = k.shape[2] // 2 if self.fused else k.shape[2]
+        return dataclasses.replace(self, q_heads=q.shape[1], kv_heads=kv_heads)
