@@ -12,6 +12,10 @@ supplies the two, for its duration only:
 - the interpreter's wgmma rule accepts an array left operand: acc += a @ b, with b and acc
   read from the simulated memory.
 
+Its copies from shared to global memory take no predicate either (jax 0.12.0.1), which
+the ragged kernel's row-exact stores use (`xattn_jax.mosaic.ragged_kernel`): within,
+a predicated copy runs the interpreter's copy under `lax.cond` on its predicate.
+
 The forced GPU interpret mode applies to every `pallas_call` traced within, the Triton-backend
 statistics epilogue (`xattn_jax.triton.stats_epilogue`) included, whose blocked windows the
 Mosaic GPU interpreter refuses (jax 0.12); within, that kernel runs in Pallas' own interpret
@@ -52,6 +56,7 @@ def unsupported_reason() -> str | None:
     except Exception as error:  # no Mosaic GPU interpret mode in this jax
         return f"no Mosaic GPU interpret mode: {error!r}"
     needed = [(jaxpr_interpret.JaxprInterpreter, "_interpret_wgmma_ref_p"),
+              (jaxpr_interpret.JaxprInterpreter, "_interpret_copy_smem_to_gmem_p"),
               (jaxpr_interpret, "resolve_ref"), (gpu_callbacks, "_get_shared_memory"),
               (gpu_callbacks, "TOKEN_SHAPE_DTYPE"), (plgpu, "force_gpu_interpret_mode")]
     missing = [name for owner, name in needed if not hasattr(owner, name)]
@@ -120,6 +125,25 @@ def _wgmma_rule(original):
     return rule
 
 
+def _predicated_copy_rule(original):
+    """The interpreter's copy from shared to global memory, done iff its predicate."""
+    from jax import lax
+
+    def rule(self, eqn, token, src, dst, *flat_args, has_user_predicate, **params):
+        if not has_user_predicate:
+            return original(self, eqn, token, src, dst, *flat_args,
+                            has_user_predicate=False, **params)
+        *flat_args, predicate = flat_args
+
+        def copy(token):
+            return original(self, eqn, token, src, dst, *flat_args,
+                            has_user_predicate=False, **params)[0]
+
+        return lax.cond(predicate, copy, lambda token: token, token), []
+
+    return rule
+
+
 def _epilogue_interpreted(original, plgpu):
     """`epilogue.stats_block_sums` traced outside the forced GPU interpret mode, with
     Pallas' own interpret mode."""
@@ -171,6 +195,8 @@ def interpret_kernel(detect_races: bool = True):
     interpreter = jaxpr_interpret.JaxprInterpreter
     original_rule = interpreter._interpret_wgmma_ref_p
     interpreter._interpret_wgmma_ref_p = _wgmma_rule(original_rule)
+    original_copy = interpreter._interpret_copy_smem_to_gmem_p
+    interpreter._interpret_copy_smem_to_gmem_p = _predicated_copy_rule(original_copy)
     kernel.pl = _PallasWithScopedRunState(pl, plgpu)
     stats_block_sums = epilogue.stats_block_sums
     epilogue.stats_block_sums = _epilogue_interpreted(stats_block_sums, plgpu)
@@ -183,4 +209,5 @@ def interpret_kernel(detect_races: bool = True):
         kernel.pl = pl
         epilogue.stats_block_sums = stats_block_sums
         interpreter._interpret_wgmma_ref_p = original_rule
+        interpreter._interpret_copy_smem_to_gmem_p = original_copy
         jax.clear_caches()

@@ -72,8 +72,11 @@ class CtaWork(Protocol):
 
     num_steps: jax.Array  # int32: the key tiles the CTA visits
 
-    def query_rows(self, wg) -> Any:
-        """The GMEM ref of warpgroup wg's query rows `[block_q, D]` (one TMA box)."""
+    def load_queries(self, wg, q_tile, ready) -> None:
+        """Starts the copy of warpgroup wg's query rows into q_tile `[block_q, D]`."""
+
+    def await_queries(self, wg, q_tile, ready) -> None:
+        """Returns once q_tile holds wg's query rows, visible to wgmma."""
 
     def num_unmasked(self, wg) -> jax.Array:
         """How many leading listed tiles need no per-element mask for warpgroup wg."""
@@ -115,10 +118,10 @@ def run_cta(cta: CtaWork, q_smem, k_smem, v_smem, barriers: Barriers, *,
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_tile = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(cta.query_rows(wg), q_tile, q_ready.at[wg])
+        cta.load_queries(wg, q_tile, q_ready.at[wg])
         num_unmasked = cta.num_unmasked(wg)
         key_bound = cta.key_bound(wg, causal)
-        plgpu.barrier_wait(q_ready.at[wg])
+        cta.await_queries(wg, q_tile, q_ready.at[wg])
         scale_log2 = scale * LOG2_E
 
         def step(index, carry, *, masked: bool):
@@ -249,8 +252,12 @@ class BatchedCta:
     def _row0(self, wg):
         return self.cta * self.plan.rows_per_cta + wg * self.plan.block_q
 
-    def query_rows(self, wg):
-        return self.q_ref.at[self.batch, self.head, pl.ds(self._row0(wg), self.plan.block_q)]
+    def load_queries(self, wg, q_tile, ready):
+        rows = self.q_ref.at[self.batch, self.head, pl.ds(self._row0(wg), self.plan.block_q)]
+        plgpu.copy_gmem_to_smem(rows, q_tile, ready)
+
+    def await_queries(self, wg, q_tile, ready):
+        plgpu.barrier_wait(ready)
 
     def num_unmasked(self, wg):
         return self.counts_ref[self.batch, self.head, self.cta, 1 + wg]
