@@ -89,14 +89,16 @@ def _page_table(rng: np.random.Generator, step: RaggedStep, geom: RaggedGeometry
 
 
 def step_arrays(step: RaggedStep, rng: np.random.Generator) -> StepArrays:
-    """Random inputs of `step`: standard normal q and cache (NaN in the spare pages)."""
+    """Random inputs of `step` drawn from `rng` (q and the cache on the default device,
+    standard normal in step.dtype; NaN in the spare pages)."""
     geom = step.geom()
     given = len(step.q_lens)
     assert given <= step.seqs and sum(step.q_lens[:step.live]) <= step.tokens
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    q = normal(step.tokens, step.q_heads, step.head_dim).astype(step.dtype)
+    q_key, cache_key = jax.random.split(jax.random.PRNGKey(rng.integers(2**31)))
+    q = jax.random.normal(q_key, (step.tokens, step.q_heads, step.head_dim), step.dtype)
     cache_shape = (geom.num_pages, step.page_size, step.kv_heads, 2, step.head_dim)
-    cache = normal(*cache_shape).at[-SPARE_PAGES:].set(jnp.nan).astype(step.dtype)
+    cache = jax.random.normal(cache_key, cache_shape, step.dtype)
+    cache = cache.at[-SPARE_PAGES:].set(jnp.nan)
     k, v = (cache, None) if step.fused else (cache[:, :, :, 0], cache[:, :, :, 1])
     cu_q_lens = np.zeros(step.seqs + 1, np.int32)
     cu_q_lens[1:given + 1] = np.cumsum(step.q_lens)

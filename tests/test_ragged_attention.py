@@ -63,7 +63,8 @@ def _np(x) -> np.ndarray:
 
 # steps of every kind, D 64 (key tiles of 128) unless said: decode rows, chunks starting
 # inside a block, an empty sequence (q_len 0), slots past num_seqs, rows past the
-# sequences', GQA, pages smaller and larger than a key tile, blocks of 256
+# sequences', GQA, pages smaller and larger than a key tile, blocks of 256; decode rows
+# only, one slot each
 WALK_STEPS = [
     RaggedStep("mixed-page16", (1, 70, 0, 200, 5), (300, 133, 50, 260, 40), tokens=300,
                seqs=6, q_heads=2, kv_heads=1, head_dim=64, page_size=16,
@@ -79,6 +80,8 @@ WALK_STEPS = [
                fused=True),
     RaggedStep("few-rows", (3, 1), (3, 700), tokens=8, seqs=2, q_heads=2, kv_heads=1,
                head_dim=128, page_size=256, pages_per_seq=3),
+    RaggedStep("decode-only", (1,) * 70, tuple(range(5, 705, 10)), tokens=70, seqs=70,
+               q_heads=2, kv_heads=1, head_dim=64, page_size=16, pages_per_seq=48),
 ]
 
 
@@ -277,9 +280,9 @@ def test_kernel_lowers_for_cuda_at_head_dim_256(page_size):
     assert "stablehlo.custom_call @mosaic_gpu" in lowered.as_text()
 
 
-# tiny steps (D 64, GQA 2:1): a decode row, chunks starting inside a block, an empty
-# sequence, slots past num_seqs, rows past the sequences'; pages of 16 (8 per key tile)
-# and of 128, separate and fused
+# tiny steps (GQA 2:1): a decode row, chunks starting inside a block, an empty sequence,
+# slots past num_seqs, rows past the sequences'; pages of 16 (8 per key tile) and of 128,
+# separate and fused; D 256 (two staged halves, key tiles of 64) on fewer rows than a box
 INTERPRET_STEPS = [
     RaggedStep("page16", (1, 70, 0, 40), (200, 133, 30, 60), tokens=120, seqs=5,
                q_heads=2, kv_heads=1, head_dim=64, page_size=16, pages_per_seq=16,
@@ -287,6 +290,8 @@ INTERPRET_STEPS = [
     RaggedStep("page128-fused", (1, 90), (250, 100), tokens=100, seqs=3, q_heads=2,
                kv_heads=1, head_dim=64, page_size=128, pages_per_seq=2, fused=True,
                density=0.7),
+    RaggedStep("d256-page32-few-rows", (1, 30), (150, 30), tokens=40, seqs=2, q_heads=2,
+               kv_heads=1, head_dim=256, page_size=32, pages_per_seq=5, density=0.7),
 ]
 
 

@@ -1,5 +1,6 @@
 """Pallas Mosaic GPU kernels for Hopper (sm_90): block-sparse attention on the estimate's
-mask (`xattn_jax.mosaic.attention`) and the estimate's fused block sums
+mask (`xattn_jax.mosaic.attention`), the same for a ragged serving step
+(`xattn_jax.mosaic.ragged_attention`) and the estimate's fused block sums
 (`xattn_jax.mosaic.block_sums`: impl="mosaic", and "auto" on Hopper).
 
 Importing this package never imports Mosaic GPU (it fails to import on some jax/CPU
@@ -18,7 +19,7 @@ _MOSAIC_API = ("kernel", "CompilerParams", "SMEM", "Barrier", "ACC", "Layout",
                "TilingTransform", "SwizzleTransform", "copy_gmem_to_smem",
                "copy_smem_to_gmem", "wait_smem_to_gmem", "commit_smem", "barrier_arrive",
                "barrier_wait", "wgmma", "wgmma_wait", "layout_cast", "broadcasted_iota",
-               "set_max_registers")
+               "set_max_registers", "load", "inline_mgpu", "RefType")
 
 
 def _device_reason(device) -> str | None:

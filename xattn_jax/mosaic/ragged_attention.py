@@ -24,6 +24,7 @@ from xattn_jax.ragged.layout import RaggedBlocks
 
 __all__ = ["ragged_attention", "unsupported_reason"]
 
+
 @functools.partial(jax.jit, static_argnames=("geom", "scale"))
 def ragged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None,
                      page_indices: jax.Array, mask: jax.Array, blocks: RaggedBlocks,
@@ -39,10 +40,11 @@ def ragged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None,
     Query row t of sequence s, at key position p, attends to key j iff j <= p and
     mask[h, row of p's block, j // bs].
 
-    The values of keys a row does not see but that share a visited key tile with keys it
-    sees (the tail of a sequence's last page, causally hidden keys) are multiplied by a
-    weight of 0: they must be finite. Raises ValueError where `unsupported_reason` says
-    why.
+    A sequence's pages are read up to the page of its last key only (later page-table
+    entries are never read). Within the key tiles a CTA visits, the values of keys a row
+    does not see (the rest of a sequence's last page, keys past the row's position) get
+    a weight of 0: a NaN or inf among them makes the row NaN. Raises ValueError where
+    `unsupported_reason` says why.
     """
     plan = ragged_plan(geom, q.dtype)
     from xattn_jax.mosaic import ragged_kernel  # imports Mosaic GPU: only where it can run

@@ -70,9 +70,11 @@ def num_slots(geom: RaggedGeometry, plan: AttentionPlan) -> int:
 
     S sequences of n_s queries (sum T) span at most sum((n_s + rows - 2) // rows + 1)
     <= (T + (rows - 2) S) // rows + S tiles, and the zero slots add one more than the
-    rows past the sequences' would need alone."""
+    rows past the sequences' would need alone. Each live tile holds a query of its own
+    and each zero slot at least one row past the sequences', so there are at most T
+    (the kernel's rows) of both, the tighter bound for steps of many decode rows."""
     rows, tokens = plan.rows_per_cta, kernel_rows(geom, plan)
-    return (tokens + (rows - 2) * geom.seqs) // rows + geom.seqs + 1
+    return min(tokens, (tokens + (rows - 2) * geom.seqs) // rows + geom.seqs + 1)
 
 
 def compact_tiles(visit: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -120,13 +122,56 @@ def _warpgroup_fields(first_token, real_low, real_high, position_offset, tokens:
                       block_q: int) -> jax.Array:
     """`[N, WG_FIELDS]` of one warpgroup per slot: its box of block_q rows from
     `first_token` clamped into [0, tokens - block_q], its real rows `[real_low,
-    real_high)` (tokens) kept within the box, the key position of the box's first row
-    (its token + `position_offset`)."""
+    real_high)` (tokens) kept within the box and q, the key position of the box's first
+    row (its token + `position_offset`)."""
     load = jnp.clip(first_token, 0, tokens - block_q)
     low = jnp.maximum(real_low, load)
-    high = jnp.minimum(real_high, load + block_q)
+    high = jnp.minimum(jnp.minimum(real_high, load + block_q), tokens)
     return jnp.stack([load, load + position_offset, low - load,
                       jnp.maximum(high - low, 0)], axis=-1)
+
+
+class _Slots(NamedTuple):
+    """The slots `[N]`: the table `RaggedWork.slots`, and of the live ones their tile's
+    mask row, first key position and end of real positions (others: any)."""
+
+    table: jax.Array
+    live: jax.Array
+    row: jax.Array
+    start: jax.Array
+    high: jax.Array
+
+
+def _slots(blocks: RaggedBlocks, geom: RaggedGeometry, plan: AttentionPlan) -> _Slots:
+    rows, block_q, tokens = plan.rows_per_cta, plan.block_q, kernel_rows(geom, plan)
+    tiles = _tiles(blocks, geom, rows)
+    slot = jnp.arange(num_slots(geom, plan), dtype=jnp.int32)
+    # live tiles first, those seeing the latest keys first; then the dead ones
+    order = jnp.argsort(jnp.where(tiles.live, -tiles.high, 1), stable=True)
+    num_live = tiles.live.sum(dtype=jnp.int32)
+    tile = order[jnp.minimum(slot, order.size - 1)]
+    live = slot < num_live
+    seq, start = tiles.seq[tile], tiles.start[tile]
+    # zero slots: rows * z .. of the rows from the end of the last sequence's on
+    used = blocks.q_starts[-1] + blocks.q_lens[-1]
+    zero = slot - num_live
+    active = live | (zero < (jnp.maximum(tokens - used, 0) + rows - 1) // rows)
+    q_start, first = blocks.q_starts[seq], blocks.first_position[seq]
+    q_end = q_start + blocks.q_lens[seq]
+    fields = []
+    for w in range(plan.compute_warpgroups):
+        token = q_start + start + w * block_q - first  # of the warpgroup's first position
+        zero_token = used + zero * rows + w * block_q
+        fields.append(_warpgroup_fields(
+            jnp.where(live, token, zero_token),
+            jnp.where(live, jnp.maximum(token, q_start), zero_token),
+            jnp.where(live, jnp.minimum(token + block_q, q_end), zero_token + block_q),
+            jnp.where(live, first - q_start, 0), tokens, block_q))
+    last_entry = jnp.clip((blocks.kv_lens[seq] - 1) // geom.page_size, 0,
+                          geom.pages_per_seq - 1)
+    table = jnp.concatenate([jnp.stack([active.astype(jnp.int32), seq, last_entry], -1),
+                             *fields], axis=-1)
+    return _Slots(table, live, tiles.row[tile], start, tiles.high[tile])
 
 
 def ragged_work(mask: jax.Array, blocks: RaggedBlocks, geom: RaggedGeometry,
@@ -134,57 +179,24 @@ def ragged_work(mask: jax.Array, blocks: RaggedBlocks, geom: RaggedGeometry,
     """The kernel's work for the mask bool `[Hq, QB, KB]` of a step laid out by `blocks`
     (`reference.ragged.attention`'s semantics: query row at key position p of mask row r
     sees key j iff j <= p and mask[h, r, j // bs])."""
-    rows, block_q, block_kv = plan.rows_per_cta, plan.block_q, plan.block_kv
-    tokens, warpgroups = kernel_rows(geom, plan), plan.compute_warpgroups
-    tiles = _tiles(blocks, geom, rows)
-    count = num_slots(geom, plan)
-    slot = jnp.arange(count, dtype=jnp.int32)
-
-    # live tiles first, those seeing the latest keys first; then the dead ones
-    order = jnp.argsort(jnp.where(tiles.live, -tiles.high, 1), stable=True)
-    num_live = tiles.live.sum(dtype=jnp.int32)
-    tile = order[jnp.minimum(slot, order.size - 1)]
-    live = slot < num_live
-    seq, start = tiles.seq[tile], tiles.start[tile]
-    low, high = tiles.low[tile], tiles.high[tile]
-
-    # zero slots: the rows from the end of the last sequence's on
-    used = blocks.q_starts[-1] + blocks.q_lens[-1]
-    zero = slot - num_live
-    active = live | (zero < (jnp.maximum(tokens - used, 0) + rows - 1) // rows)
-
-    q_start, first = blocks.q_starts[seq], blocks.first_position[seq]
-    fields = []
-    for w in range(warpgroups):
-        w_start = start + w * block_q
-        live_token = q_start + w_start - first
-        zero_token = used + zero * rows + w * block_q
-        fields.append(_warpgroup_fields(
-            jnp.where(live, live_token, zero_token),
-            jnp.where(live, jnp.maximum(live_token, q_start), zero_token),
-            jnp.where(live, jnp.minimum(live_token + block_q, q_start + blocks.q_lens[seq]),
-                      jnp.where(active, jnp.minimum(zero_token + block_q, tokens), 0)),
-            jnp.where(live, first - q_start, 0), tokens, block_q))
-    last_entry = jnp.clip((blocks.kv_lens[seq] - 1) // geom.page_size, 0,
-                          geom.pages_per_seq - 1)
-    slots = jnp.concatenate([jnp.stack([active.astype(jnp.int32), seq, last_entry], -1),
-                             *fields], axis=-1)
-
+    block_q, block_kv, warpgroups = plan.block_q, plan.block_kv, plan.compute_warpgroups
+    slots = _slots(blocks, geom, plan)
     # key tiles: selected, and starting at or before the tile's last real position
     num_tiles = geom.k_blocks * geom.block_size // block_kv
-    selected = mask[:, tiles.row[tile]]  # [Hq, N, KB]
+    selected = mask[:, slots.row]  # [Hq, N, KB]
     if geom.block_size != block_kv:
         selected = jnp.repeat(selected, geom.block_size // block_kv, axis=-1)
     tile_key = jnp.arange(num_tiles, dtype=jnp.int32) * block_kv
-    visit = selected & (live[:, None] & (tile_key < high[:, None]))[None]
+    visit = selected & (slots.live[:, None] & (tile_key < slots.high[:, None]))[None]
     key_tiles, visited_through = compact_tiles(visit)
-    first_real = jnp.maximum(start[:, None] + jnp.arange(warpgroups) * block_q,
+    seq = slots.table[:, SEQ]
+    first_real = jnp.maximum(slots.start[:, None] + jnp.arange(warpgroups) * block_q,
                              blocks.first_position[seq][:, None])  # [N, W]
     # tiles below this index end at or before the warpgroup's first real position
     unmasked_below = jnp.minimum((first_real + 1) // block_kv, num_tiles)
     unmasked = jnp.take_along_axis(
         visited_through, jnp.broadcast_to(jnp.maximum(unmasked_below - 1, 0),
-                                          (geom.q_heads, count, warpgroups)), axis=-1)
+                                          visit.shape[:2] + (warpgroups,)), axis=-1)
     counts = jnp.concatenate([visited_through[..., -1:],
                               jnp.where(unmasked_below > 0, unmasked, 0)], axis=-1)
-    return RaggedWork(tiles=key_tiles, counts=counts, slots=slots)
+    return RaggedWork(tiles=key_tiles, counts=counts, slots=slots.table)
