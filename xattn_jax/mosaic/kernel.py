@@ -24,6 +24,10 @@ Tiles that cross the causal diagonal of a warpgroup (or, without causal, hold ke
 the keys in use: Lk unless given)
 come last in the list and are the only ones masked per element.
 
+The warpgroups' code (`run_cta`) asks a `CtaWork` where its CTA's query rows, key tiles
+and output rows are: `BatchedCta` for this module's batched call, `ragged_kernel.RaggedCta`
+for a ragged serving step.
+
 Softmax: m is kept in log2 units (scores times scale*log2(e)) and starts at a finite
 `_M_START`, so a row with no visible key so far gets p = 2^(-inf) = 0 and never NaN; at the
 end, rows with l = 0 (no visible key) give acc / max(l, 1) = 0 and lse = m ln2 + ln 0 = -inf

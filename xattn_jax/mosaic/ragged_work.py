@@ -17,9 +17,9 @@ The kernel's grid walks `num_slots(geom, plan)` slots per query head:
 2. "zero" slots, block_q rows per warpgroup, covering the rows of q past the last live
    sequence's (rows of no live sequence): they visit no key tile, so they store zeros;
 3. inactive slots, whose CTAs exit at once.
-`num_slots` bounds 1 and 2 together for any step that keeps the rules (each sequence of
-n queries spans at most (n + rows - 2) // rows + 1 tiles). Of a step outside the rules,
-the tiles past the slots are dropped (unspecified rows, nothing read out of bounds).
+`num_slots` bounds 1 and 2 together for any step that keeps the rules. Of a step outside
+the rules, the tiles past the slots are dropped (unspecified rows, nothing read out of
+bounds).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class RaggedWork(NamedTuple):
     - counts `[Hq, N, 1 + W]`: the number of tiles to visit, then per consumer warpgroup
       w the number of leading ones every real row of w sees whole (no per-element mask);
     - slots `[N, SLOT_FIELDS + W * WG_FIELDS]`: the fields named by this module's column
-      constants.
+      constants (those of inactive slots are never read).
     """
 
     tiles: jax.Array
