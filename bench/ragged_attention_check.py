@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import time_ms
-from bench.ragged_steps import RaggedStep, step_arrays
+from bench.ragged_attention_steps import RaggedStep, step_arrays
 from xattn_jax import mosaic
 from xattn_jax.mosaic import ragged_work
 from xattn_jax.mosaic.ragged_attention import ragged_attention

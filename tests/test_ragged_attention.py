@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from np_attention import masked_softmax_attention
 
-from bench.ragged_steps import RaggedStep, step_arrays
+from bench.ragged_attention_steps import RaggedStep, step_arrays
 from xattn_jax import mosaic
 from xattn_jax.mosaic import ragged_work as work
 from xattn_jax.mosaic.ragged_attention import ragged_attention

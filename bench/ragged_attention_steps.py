@@ -1,10 +1,11 @@
-"""Random ragged serving steps (`xattn_jax.ragged`): prefill chunks and decode rows packed
-in one q over one paged cache, for the ragged attention's tests and GPU check
+"""Random inputs of a ragged serving step's attention stage (`xattn_jax.ragged`): prefill
+chunks and decode rows packed in one q over one paged cache, with the step's layout and a
+random block mask, for the Mosaic ragged attention's tests and GPU check
 (`tests/test_ragged_attention.py`, `bench.ragged_attention_check`).
 
-A step's cache pages are drawn in a shuffled order; the pages no live sequence uses hold
-NaN and fill the page-table entries past each sequence's last page in use, so that a
-kernel reading past a sequence's keys shows. Slots from num_seqs on hold lengths of their
+A step's cache pages are drawn in a shuffled order; SPARE_PAGES more hold NaN and fill the
+page-table entries past each slot's last page in use, so that a kernel reading past a
+sequence's keys shows. Slots from num_seqs on hold lengths of their
 own (ignored by the call), and q's rows past the live sequences' hold data (their output
 must be zero).
 """
