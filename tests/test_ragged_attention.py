@@ -358,6 +358,8 @@ def test_kernel_equals_reference(rand, name, make):
                            arrays.blocks, arrays.geom, scale=step.head_dim ** -0.5)
     assert out.shape == arrays.q.shape and out.dtype == step.dtype
     _assert_close(out, reference_out(arrays), f"{name} {rand}")
+    used = int(arrays.blocks.q_starts[-1] + arrays.blocks.q_lens[-1])
+    assert used < step.tokens and (_np(out)[used:] == 0).all(), f"{name} {rand}"
 
 
 @pytest.mark.gpu
