@@ -23,7 +23,11 @@ Rows (median device time, `bench.common.time_ms`):
   (gathered outside the timed region), cuDNN dense attention for each decode row;
   `loop-estimate` `xattn_estimate` of each chunk summed; `loop-host` the whole loop's
   wall time, launches and waits included (`latency_ms`), beside `ragged-host`;
-- `dense` cuDNN's dense causal attention per request, summed.
+- `dense` cuDNN's dense causal attention per request, summed; `dense-causal-{n}k` one
+  whole causal cuDNN call of the step's shapes (queries = keys), whose pairs per
+  microsecond are the dense rate the attention's (`ragged-attention`) is held to;
+- `bridged` the torch call (`xattn_torch_bridge.ragged_xattention`, the step padded to its
+  bucket) and the plain call's host times, launches and waits included.
 Each chunk's ragged mask rows are compared with its own `xattention` mask (`mask_diff`:
 blocks that differ, from float rounding near the threshold).
 floor_ms: 4 * D * (kept causal pairs) FLOPs at the same run's matmul rate, plus the
@@ -60,7 +64,9 @@ BLOCK, STRIDE = 128, 8
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """One step: heads, head dim, chunks (queries, context) and decode rows' contexts."""
+    """One step: heads, head dim, chunks (queries, context) and decode rows' contexts;
+    dense_length: the whole causal call whose pairs per microsecond are the dense rate of
+    these shapes."""
 
     name: str
     q_heads: int
@@ -68,15 +74,17 @@ class StepShape:
     head_dim: int
     chunks: tuple
     decodes: tuple
+    dense_length: int
 
 
 def step_shapes(smoke: bool) -> dict[str, StepShape]:
     rng = np.random.default_rng(0)
     if smoke:
         return {"long-prefill": StepShape("long-prefill", 4, 2, 32, ((256, 512), (256, 768)),
-                                          (300, 400)),
+                                          (300, 400), 512),
                 "short-chunks": StepShape("short-chunks", 3, 1, 32,
-                                          tuple((128, c) for c in (256, 384, 512)), (129, 300))}
+                                          tuple((128, c) for c in (256, 384, 512)), (129, 300),
+                                          512)}
     # few distinct lengths, so that the per-request loop compiles few shapes
     long_decodes = tuple(int(x) for x in rng.choice(np.arange(4096, 32769, 4096), 64))
     short_contexts = np.repeat(np.arange(1024, 16385, 1024), 2)
@@ -84,9 +92,10 @@ def step_shapes(smoke: bool) -> dict[str, StepShape]:
     return {
         "long-prefill": StepShape("long-prefill", 32, 8, 128,
                                   tuple((8192, c) for c in (32768, 65536, 98304, 131072)),
-                                  long_decodes),
+                                  long_decodes, 32768),
         "short-chunks": StepShape("short-chunks", 9, 3, 64,
-                                  tuple((512, int(c)) for c in short_contexts), short_decodes),
+                                  tuple((512, int(c)) for c in short_contexts), short_decodes,
+                                  16384),
     }
 
 
@@ -227,7 +236,7 @@ def dense_pairs(shape: StepShape) -> float:
 
 def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> list[dict]:
     shape, out = step.shape, []
-    name = f"{shape.name}-page{step.args[1].shape[1]}"
+    name = f"{shape.name}-page{step.args[1].shape[1]}"  # the cache's page size
     rate = (tflops * 1e12) if tflops else MATMUL_FLOPS
     estimate_flops = sum(strided_flops(shape.q_heads, q, c, STRIDE, shape.head_dim, True)
                          for q, c in shape.chunks)
@@ -290,6 +299,16 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> lis
                 pairs_per_us=round(pairs / ms / 1e3, 1))
     if "bridged" in rows:
         out += bridged_rows(step, impl, add)
+    if "dense-rate" in rows:
+        length = shape.dense_length
+        q, k, v = (jax.random.normal(key, (1, length, heads, shape.head_dim), jnp.bfloat16)
+                   for key, heads in zip(jax.random.split(jax.random.PRNGKey(2), 3),
+                                         (shape.q_heads, shape.kv_heads, shape.kv_heads)))
+        call = jax.jit(_dense)
+        ms = time_ms(call, [(q, k, v)])
+        pairs = shape.q_heads * length * (length + 1) / 2
+        add(f"dense-causal-{length}", "cudnn", ms, 4 * shape.head_dim * pairs,
+            pairs_per_us=round(pairs / ms / 1e3, 1))
     return out
 
 
@@ -347,7 +366,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", default="long-prefill,short-chunks")
     parser.add_argument("--page-size", type=int, default=128)
-    parser.add_argument("--rows", default="estimate,step,loop,dense,bridged")
+    parser.add_argument("--rows", default="estimate,step,loop,dense,dense-rate,bridged")
     parser.add_argument("--impl", default="auto")
     parser.add_argument("--json")
     parser.add_argument("--md")
@@ -357,7 +376,9 @@ def main(argv=None) -> None:
     tflops = matmul_tflops()
     records = []
     for name in args.steps.split(","):
-        step = build_step(shapes[name], args.page_size)
+        # the dense rate needs no step: a stand-in without requests
+        step = build_step(shapes[name], args.page_size) if args.rows != "dense-rate" else \
+            Step(shapes[name], (None, jnp.zeros((1, args.page_size))), 0, [])
         for row in args.rows.split(","):  # one row group at a time: a failure is logged
             try:
                 records += run_step(step, {row}, args.impl, tflops)

@@ -41,17 +41,18 @@ def test_equals_the_jax_call_and_writes_out(rand):
 
 
 def test_one_compilation_per_bucket(rand):
-    """Steps of 90-120 queries and 3-4 live requests over one cache pad to one bucket
-    (128 rows, 4 slots, 4 table columns)."""
+    """Steps of 100 rows and 3-4 live requests over one cache pad to one bucket (112
+    rows, 4 slots, 4 table columns)."""
     compiled = bridge_ragged._compiled(None, BLOCK, 8, defaults.MIN_BLOCKS,
                                        defaults.DENSE_LAST,
-                                       impls.resolve_ragged("auto", device=jax.devices("cpu")[0]))
+                                       impls.resolve_ragged("auto", device=jax.devices("cpu")[0]),
+                                       4)
     before = compiled._cache_size()
     for _ in range(4):
         lengths = random_lengths(rand.rng, int(rand.rng.integers(3, 5)), block_size=BLOCK,
-                                 max_kv=30)
+                                 max_kv=25)
         step = make_step(rand.rng, lengths, pages_per_seq=4, spare_slots=4 - len(lengths),
-                         spare_tokens=max(0, 90 - sum(q for q, _ in lengths)))
+                         spare_tokens=100 - sum(q for q, _ in lengths))
         tensors, meta = _torch_args(step)
         result = xb.ragged_xattention(**tensors, **meta, block_size=BLOCK)
         want = xattn_jax.ragged_xattention(*step.args(), block_size=BLOCK,
@@ -137,3 +138,9 @@ def test_step_args_refuse_bad_sequences(rand):
         cache.step_args([])
     with pytest.raises(ValueError, match=r"seqs\[0\]"):
         cache.step_args([pages])
+
+
+def test_token_buckets_pad_at_most_a_quarter():
+    sizes = [bridge_ragged.token_bucket(t) for t in range(1, 5000)]
+    assert sizes[:16] == [16] * 16 and sorted(set(sizes))[:6] == [16, 20, 24, 28, 32, 40]
+    assert all(t <= size < 1.25 * t + 16 for t, size in zip(range(1, 5000), sizes))

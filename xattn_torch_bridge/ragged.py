@@ -6,7 +6,8 @@ makes (`flash_attn_varlen_func` of vLLM's flash-attn fork, paged: `block_table` 
 dense_last). The step's sizes change every step; the bridge pads them to buckets (the
 queries to `token_bucket(T)` rows, the requests and the table's width to powers of two,
 with empty requests), so one compiled computation serves every step of a bucket. The
-caches are handed to JAX in place (`dlpack`), ordered on torch's current stream.
+caches are handed to JAX in place (`dlpack`; their views made once per cache tensor),
+ordered on torch's current stream; the offsets go over in one small tensor.
 
 CUDA graphs: the JAX computation cannot be captured into a torch CUDA graph. A backend
 runs this call outside graph capture (vLLM's piecewise graphs leave attention out of the
@@ -33,8 +34,7 @@ from xattn_jax.geometry import next_pow2
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, forward_only, place_of, to_torch,
                                        views_for_one_computation)
 
-MIN_TOKEN_BUCKET = 16  # the smallest padded query count
-TOKEN_BUCKET_STEP = 8192  # past this many queries, buckets grow in steps of it
+MIN_TOKEN_BUCKET = 16  # the smallest padded query count (4 buckets an octave above it)
 # options of the flash-attn call that XAttention cannot honour: their accepted values
 _REFUSED = {"window_size": (None, (-1, -1), [-1, -1]), "softcap": (None, 0, 0.0),
             "alibi_slopes": (None,), "s_aux": (None,), "q_descale": (None,),
@@ -45,11 +45,13 @@ IGNORED = ("scheduler_metadata", "num_splits", "fa_version", "deterministic")
 
 
 def token_bucket(tokens: int) -> int:
-    """The padded query count for `tokens`: powers of two from MIN_TOKEN_BUCKET up to
-    TOKEN_BUCKET_STEP, then multiples of it."""
-    if tokens <= TOKEN_BUCKET_STEP:
-        return max(MIN_TOKEN_BUCKET, next_pow2(tokens))
-    return -(-tokens // TOKEN_BUCKET_STEP) * TOKEN_BUCKET_STEP
+    """The padded query count for `tokens`: the least of 2^k x (1, 1.25, 1.5, 1.75), at
+    least MIN_TOKEN_BUCKET, that holds them (at most a quarter of the rows padding)."""
+    size = MIN_TOKEN_BUCKET
+    while size < tokens:
+        octave = 1 << (size.bit_length() - 1)
+        size += octave // 4
+    return size
 
 
 def _check_options(causal, options: dict) -> None:
@@ -138,43 +140,61 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"out must be q's shape {tuple(q.shape)}, dtype {q.dtype} and "
                          f"device {q.device}, got {tuple(out.shape)} {out.dtype} {out.device}")
     place = next(iter(places))
-    queries, *step = _padded_step(checked["q"][0], cu_seqlens_q, seqused_k, block_table)
-    step = [place_of(x, name, False, (torch.int32,))[0]
-            for x, name in zip(step, ("seqused_k", "block_table", "cu_seqlens_q"))]
-    views = views_for_one_computation(place, queries, checked["k"][0], checked["v"][0],
-                                      *step)
-    t = threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold
-    t = jax.device_put(threshold_per_head(t, q.shape[1]), place.jax_device)
+    queries, meta = _padded_step(checked["q"][0], cu_seqlens_q, seqused_k, block_table)
+    meta = place_of(meta, "the step's offsets", False, (torch.int32,))[0]
+    views = views_for_one_computation(place, queries, meta,
+                                      persistent=(checked["k"][0], checked["v"][0]))
     run = _compiled(softmax_scale, block_size, stride, min_blocks, dense_last,
-                    impls.resolve_ragged(impl, device=place.jax_device))
-    result = to_torch(run(*views, t))[:q.shape[0]]
+                    impls.resolve_ragged(impl, device=place.jax_device),
+                    seqused_k.shape[0] and next_pow2(seqused_k.shape[0]))
+    result = to_torch(run(views[0], *views[2:], views[1], _threshold(threshold, q.shape[1],
+                                                                     place)))
+    result = result[:q.shape[0]]
     if out is None:
         return result
     return out.copy_(result)
 
 
+def _threshold(threshold, q_heads: int, place):
+    """The threshold as float32 `[Hq]` on the step's device: a float's is made once."""
+    if isinstance(threshold, float):
+        return _device_threshold(threshold, q_heads, place.jax_device)
+    t = threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold
+    return jax.device_put(threshold_per_head(t, q_heads), place.jax_device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_threshold(threshold: float, q_heads: int, device):
+    return jax.device_put(threshold_per_head(threshold, q_heads), device)
+
+
 def _padded_step(q, cu_seqlens_q, seqused_k, block_table):
     """The step padded to its bucket, on its device: q to `token_bucket(T)` rows (the
-    padding rows belong to no request; q itself where it fills its bucket), the requests
-    to a power of two (empty ones), the table's width to a power of two (fresh tensors)."""
+    padding rows belong to no request; q itself where it fills its bucket), and the
+    offsets in one int32 tensor (a fresh one): cu_seqlens_q `[S' + 1]`, seqused_k `[S']`
+    and the table `[S', W']` flattened, the requests padded to S' (a power of two) with
+    empty ones, the table's width to W' (a power of two)."""
     tokens, requests, width = q.shape[0], seqused_k.shape[0], block_table.shape[1]
     slots, columns = next_pow2(requests), next_pow2(width)
     if token_bucket(tokens) > tokens:
         q = F.pad(q, (0, 0, 0, 0, 0, token_bucket(tokens) - tokens))
-    cu = torch.cat([cu_seqlens_q, cu_seqlens_q[-1:].expand(slots - requests)])
-    kv_lens = F.pad(seqused_k, (0, slots - requests))
     table = F.pad(block_table, (0, columns - width, 0, slots - requests))
-    return q, kv_lens, table, cu
+    meta = torch.cat([cu_seqlens_q, cu_seqlens_q[-1:].expand(slots - requests),
+                      F.pad(seqused_k, (0, slots - requests)), table.reshape(-1)])
+    return q, meta
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(scale, block_size, stride, min_blocks, dense_last, impl):
-    """`xattn_jax.ragged_xattention` jitted over (q, k, v, kv_lens, table, cu, threshold)
-    for one set of options and the backends resolved for the tensors' device (every slot
-    of the padded step is a live request, the padded ones empty)."""
-    def call(q, k, v, kv_lens, table, cu, threshold):
+def _compiled(scale, block_size, stride, min_blocks, dense_last, impl, slots: int):
+    """`xattn_jax.ragged_xattention` jitted over (q, k, v, the packed offsets of
+    `_padded_step` for `slots` requests, threshold), for one set of options and the
+    backends resolved for the tensors' device (every slot of the padded step is a live
+    request, the padded ones empty)."""
+    def call(q, k, v, meta, threshold):
+        cu, kv_lens = meta[:slots + 1], meta[slots + 1:2 * slots + 1]
+        table = meta[2 * slots + 1:].reshape(slots, -1)
         return xattn_jax.ragged_xattention(
-            q, k, v, kv_lens, table, cu, kv_lens.shape[0], threshold=threshold,
+            q, k, v, kv_lens, table, cu, slots, threshold=threshold,
             block_size=block_size, stride=stride, min_blocks=min_blocks,
             dense_last=dense_last, scale=scale, impl=impl)
     return jax.jit(call)
