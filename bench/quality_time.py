@@ -353,6 +353,7 @@ def setting_rows(calls: Calls, s: Setting, tflops, attention_impl: str) -> list[
               "pair_density": round(pair_density, 4), "model_density": s.density,
               "top1": s.quality["top1"], "kl_mean": s.quality["kl_mean"],
               "ppl_change_pct": s.quality["ppl_change_pct"],
+              "quality_length": s.quality["length"],
               "quality_source": s.quality["source"]}
     name = f"{sc.name} {s.name}"
     parts = (("estimate", f"xattn-jax/{est.impl}", estimate, (q, k, threshold),
