@@ -175,9 +175,9 @@ def impl_label(impl: str, sz: Sizes, page_size: int | None = None) -> str:
     """Which attention `impl` runs on JAX's default device for bf16 inputs of these sizes
     (and pages of `page_size` tokens; None: contiguous) (`xattn_jax.impls`), for the
     records."""
-    return impls.resolve(impl, ops=impls.ATTENTION, device=jax.devices()[0],
-                         attention=AttentionCall(sz.head_dim, sz.head_dim, jnp.bfloat16,
-                                                 sz.block, page_size)).name
+    backend = impls.resolve(impl, ops=impls.ATTENTION, device=jax.devices()[0])
+    return backend.attention_backend(AttentionCall(sz.head_dim, sz.head_dim, jnp.bfloat16,
+                                                   sz.block, page_size)).name
 
 
 # --- cases ---------------------------------------------------------------------------
