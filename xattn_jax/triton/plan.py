@@ -108,9 +108,10 @@ class Plan(UnitSums):
 
     @property
     def fine(self) -> int:
-        """The two-pass kernel's internal block in reshaped rows: the largest divisor of
-        block_rows that divides both tile sides."""
-        return math.gcd(self.geom.block_rows, self.block_q, self.block_k)
+        """The two-pass kernel's internal block in rows and columns: the largest divisor
+        of a query block's rows and a key block's columns that divides both tile sides."""
+        return math.gcd(self.geom.block_rows, self.geom.block_cols, self.block_q,
+                        self.block_k)
 
     @property
     def key_groups(self) -> int:
