@@ -284,6 +284,29 @@ def test_xattention_selects_on_the_kernels_scores(backend, rand):
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
+               "reduce-scatter")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (conftest.py)")
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_partitions_over_batch_and_heads_without_collectives(impl, rand):
+    """Under jit over q and k sharded by batch and (whole KV groups of) heads on 4
+    devices, each device scores its own shard: no collective, the one-device scores."""
+    case = Case("sharded", 2, 8, 4, 64, 64, 16, 16, 3, True)
+    q, k = case.inputs(rand)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "h"))
+    sharded = [jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        "b", "h"))) for x in (q, k)]
+
+    def scores(q, k):
+        return xattn_jax.sampled_block_mass(q, k, block_size=16, rows=3, impl=impl)
+
+    text = jax.jit(scores).lower(*sharded).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in text]
+    assert_close(jax.jit(scores)(*sharded), scores(q, k), f"{impl} {rand}")
+
+
 def _kv_model(q, k, k_len: int, *, estimate_block: int, stride: int, kv_block: int):
     """float64: the exact softmax of every estimate block's sampled rows over the first
     k_len keys, summed per KV block (docs/estimate.md section 5)."""
