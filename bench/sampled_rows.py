@@ -34,77 +34,68 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import (JSON_HELP, floor_ms, jax_extra_mib, log,  # noqa: E402
+from bench.common import (JSON_HELP, Sizes, floor_ms, jax_extra_mib, log,  # noqa: E402
                           matmul_tflops, merge_json, print_report, record, strided_flops,
                           time_ms)
 from xattn_jax import (kv_block_scores, sampled_block_mass, select_blocks,  # noqa: E402
                        select_kv_blocks, xattn_estimate)
+from xattn_jax.defaults import ORIGINAL_THRESHOLD  # noqa: E402
 
-THRESHOLD = 0.9  # xattn_estimate's default, for both selections
 ESTIMATES = ("antidiagonal", "sampled-rows")
+FULL = Sizes()  # Llama-3.1-8B's heads; the chunk's blocks of bench.chunked
+SMALL = Sizes(q_heads=4, kv_heads=2, head_dim=64, kv_block=256, estimate_block=64)
+SMALL_LENGTHS = 16  # --small divides the lengths by this
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """q `[1, heads, q_len, head_dim]` at the end of k `[1, kv_heads, k_len, head_dim]`;
-    chunk: a chunk over a cache (kv_block_scores) rather than a whole causal prompt."""
+    """q `[1, Hq, q_len, D]` at the end of k `[1, Hkv, k_len, D]`; chunk: a chunk over a
+    cache (kv_block_scores), else a whole causal prompt; reps: timed batches."""
 
     q_len: int
     k_len: int
     chunk: bool
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    stride: int = 8
-    block: int = 128  # the whole prompt's blocks
-    kv_block: int = 4096  # the chunk's KV blocks and estimate blocks
-    estimate_block: int = 1024
-    reps: int = 10
+    reps: int
 
-    def small(self) -> Case:
-        return dataclasses.replace(self, q_len=self.q_len // 16, k_len=self.k_len // 16,
-                                   heads=4, kv_heads=2, head_dim=64, kv_block=256,
-                                   estimate_block=64, reps=2)
-
-    def flops(self) -> float:
-        return strided_flops(self.heads, self.q_len, self.k_len, self.stride,
-                             self.head_dim, causal=not self.chunk)
+    def flops(self, sz: Sizes) -> float:
+        return strided_flops(sz.q_heads, self.q_len, self.k_len, sz.stride, sz.head_dim,
+                             causal=not self.chunk)
 
 
-CASES = {"llama-causal-32k": Case(32768, 32768, False, reps=20),
-         "llama-causal-128k": Case(131072, 131072, False, reps=5),
-         "chunk4096-ctx128k": Case(4096, 131072, True)}
+CASES = {"llama-causal-32k": Case(32768, 32768, False, 20),
+         "llama-causal-128k": Case(131072, 131072, False, 5),
+         "chunk4096-ctx128k": Case(4096, 131072, True, 10)}
 
 
-def estimate_call(case: Case, estimate: str, impl: str):
-    """The jitted estimate: `(q, k, k_len)` -> (scores, mask)."""
+def estimate_call(case: Case, sz: Sizes, estimate: str, impl: str):
+    """The jitted estimate (`xattn_estimate`'s threshold for both): `(q, k, k_len)` ->
+    (scores, mask)."""
     if case.chunk:
         def chunk_call(q, k, k_len):
-            scores = kv_block_scores(q, k, kv_block_size=case.kv_block,
-                                     estimate_block_size=case.estimate_block,
-                                     stride=case.stride, k_len=k_len, impl=impl,
+            scores = kv_block_scores(q, k, kv_block_size=sz.kv_block,
+                                     estimate_block_size=sz.estimate_block,
+                                     stride=sz.stride, k_len=k_len, impl=impl,
                                      estimate=estimate)
-            return scores, select_kv_blocks(scores, threshold=THRESHOLD)
+            return scores, select_kv_blocks(scores, threshold=ORIGINAL_THRESHOLD)
         return jax.jit(chunk_call)
 
     def prompt_call(q, k, k_len):
         del k_len  # a whole prompt: every key
         if estimate == "antidiagonal":
-            return xattn_estimate(q, k, block_size=case.block, stride=case.stride,
-                                  threshold=THRESHOLD, impl=impl)
-        scores = sampled_block_mass(q, k, block_size=case.block, impl=impl)
-        return scores, select_blocks(scores, THRESHOLD, impl=impl)
+            return xattn_estimate(q, k, block_size=sz.block, stride=sz.stride, impl=impl)
+        scores = sampled_block_mass(q, k, block_size=sz.block, impl=impl)
+        return scores, select_blocks(scores, ORIGINAL_THRESHOLD, impl=impl)
     return jax.jit(prompt_call)
 
 
-def run_case(name: str, case: Case, impl: str, rounds: int) -> tuple[list[dict], str]:
+def run_case(name: str, case: Case, sz: Sizes, impl: str,
+             rounds: int) -> tuple[list[dict], str]:
     """The case's two records and its line of the report's ratios."""
     keys = jax.random.split(jax.random.PRNGKey(case.k_len), 2)
-    q = jax.random.normal(keys[0], (1, case.heads, case.q_len, case.head_dim), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (1, case.kv_heads, case.k_len, case.head_dim),
-                          jnp.bfloat16)
+    q = jax.random.normal(keys[0], (1, sz.q_heads, case.q_len, sz.head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, sz.kv_heads, case.k_len, sz.head_dim), jnp.bfloat16)
     args = (q, k, jnp.int32(case.k_len))
-    calls = {estimate: estimate_call(case, estimate, impl) for estimate in ESTIMATES}
+    calls = {estimate: estimate_call(case, sz, estimate, impl) for estimate in ESTIMATES}
     ceiling = matmul_tflops()
     times = {estimate: [] for estimate in ESTIMATES}
     for r in range(rounds):
@@ -115,7 +106,7 @@ def run_case(name: str, case: Case, impl: str, rounds: int) -> tuple[list[dict],
     for estimate, call in calls.items():
         ms = statistics.median(times[estimate])
         label = f"xattn-jax {estimate}" + ("" if impl == "auto" else f" ({impl})")
-        rows.append(record(name, label, ms, floor_ms(case.flops()),
+        rows.append(record(name, label, ms, floor_ms(case.flops(sz)),
                            jax_extra_mib(call, *args), ceiling))
         rows[-1]["rounds_ms"] = [round(t, 4) for t in times[estimate]]
     ratio = rows[1]["ms"] / rows[0]["ms"]
@@ -142,8 +133,11 @@ def main(argv=None) -> None:
     records, ratios = [], []
     for i, name in enumerate(names):
         log(f"[{i + 1}/{len(names)}] {name}")
-        case = CASES[name].small() if args.small else CASES[name]
-        rows, ratio = run_case(name, case, args.impl, args.rounds)
+        case, sz = CASES[name], SMALL if args.small else FULL
+        if args.small:
+            case = dataclasses.replace(case, q_len=case.q_len // SMALL_LENGTHS,
+                                       k_len=case.k_len // SMALL_LENGTHS, reps=2)
+        rows, ratio = run_case(name, case, sz, args.impl, args.rounds)
         records += rows
         ratios.append(ratio)
         if args.json:  # after every case, so a cut-short run keeps what it measured
