@@ -346,6 +346,12 @@ def test_kv_block_scores_on_sampled_rows(impl, page_size, rand):
     assert call._cache_size() == 1
 
 
+def test_xattention_refuses_blocks_shorter_than_the_sampled_rows(rand):
+    q, k = CASES[0].inputs(rand)
+    with pytest.raises(ValueError, match="block_size must be at least 16"):
+        xattn_jax.xattention(q, k, k, block_size=8, stride=4, estimate="sampled-rows")
+
+
 def test_kv_block_scores_refuses_an_unknown_estimate(rand):
     q, k = CHUNK.inputs(rand)
     with pytest.raises(ValueError, match="estimate must be one of"):

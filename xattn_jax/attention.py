@@ -229,8 +229,9 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
       estimate: the block scores the threshold rule selects on (one of ESTIMATES):
         "antidiagonal", XAttention's estimate (`xattn_estimate`, with stride and norm);
         "sampled-rows", the exact attention mass of 16 sampled rows per query block
-        (`xattn_jax.sampled_block_mass`, with scale; stride and norm unused), closer to
-        the exact block mass on a real model (docs/tuning.md: sampled-rows).
+        (`xattn_jax.sampled_block_mass`, with scale; stride and norm unused; block_size
+        at least 16), closer to the exact block mass on a real model (docs/tuning.md:
+        sampled-rows).
 
     Returns:
       out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, mask)` with mask bool
@@ -241,6 +242,9 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
     check_v(v, k, None)
     return_mask = check_flag("return_mask", return_mask)
     estimate = check_choice("estimate", estimate, ESTIMATES)
+    if estimate == "sampled-rows" and geom.block_size < ROWS:
+        raise ValueError(f"block_size must be at least {ROWS} with estimate='sampled-rows' "
+                         f"(its sampled rows per block), got {geom.block_size}")
     t = threshold_per_head(threshold, geom.q_heads)
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), name="xattention", geom=geom,
