@@ -38,6 +38,8 @@ KERNELS = [pytest.param(k, marks=pytest.mark.gpu) if ON_GPU else k for k in BLOC
 # the reference's exp, other summation orders), looser on a GPU (approximate exp2)
 RTOL = 1e-5 * GPU_SLACK
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+# a test that runs the kernel: compiled on a GPU, and then marked gpu like KERNELS
+runs_the_kernel = pytest.mark.gpu if ON_GPU else (lambda test: test)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,7 @@ def test_kernel_matches_plain_jax(kernel, case, rand):
         assert np.all(got[..., after] == 0), f"{kernel} {case.id} {rand}"
 
 
+@runs_the_kernel
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2]], ids=lambda c: c.id)
 def test_masks_agree_away_from_ties(case, rand):
     """The threshold rule on the kernel's scores selects as on the plain JAX's, but for
@@ -179,6 +182,7 @@ def test_masks_agree_away_from_ties(case, rand):
                            msg=f"{case.id} {rand}", **rules)
 
 
+@runs_the_kernel
 @pytest.mark.parametrize("steps", ["heads", "rows"])
 def test_scratch_steps_change_nothing(steps, rand):
     """With a scratch bound below the whole call's, the kernel covers the heads, or one
@@ -197,6 +201,7 @@ def test_scratch_steps_change_nothing(steps, rand):
     assert_close(got, kernel_mass(case, q, k, kernel=ONE_PASS), f"{steps} steps {rand}")
 
 
+@runs_the_kernel
 def test_two_pass_where_no_row_step_fits(rand):
     case = CASES[3]
     q, k = case.inputs(rand)
