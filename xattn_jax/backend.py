@@ -71,16 +71,6 @@ class Backend:
         `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`."""
         raise self.not_supported("strided_scores")
 
-    def block_sums(self, q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool,
-                   norm: float, key_len: jax.Array | None = None,
-                   block_table: jax.Array | None = None,
-                   max_scratch_bytes: int | None = None) -> jax.Array:
-        """Sections 1-3: float32 `[B, Hq, qb, kb]`. key_len: int32 `[]`, the keys in use
-        of a padded buffer (None: all); block_table: int32 `[B, pages_per_seq]` when k is
-        a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the kernels'
-        scratch bound per kernel call (None: `row_statistics.DEFAULT_SCRATCH_BYTES`)."""
-        raise self.not_supported("block_sums")
-
     def sampled_block_mass(self, q: jax.Array, k: jax.Array, *, geom: SampledGeometry,
                            causal: bool, key_len: jax.Array | None = None,
                            block_table: jax.Array | None = None,
@@ -90,6 +80,16 @@ class Backend:
         block_table and max_scratch_bytes: as in `block_sums` (key_len, block_table:
         non-causal calls, section 5's keys)."""
         raise self.not_supported("sampled_block_mass")
+
+    def block_sums(self, q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool,
+                   norm: float, key_len: jax.Array | None = None,
+                   block_table: jax.Array | None = None,
+                   max_scratch_bytes: int | None = None) -> jax.Array:
+        """Sections 1-3: float32 `[B, Hq, qb, kb]`. key_len: int32 `[]`, the keys in use
+        of a padded buffer (None: all); block_table: int32 `[B, pages_per_seq]` when k is
+        a paged cache `[num_pages, page_size, Hkv, D]`; max_scratch_bytes: the kernels'
+        scratch bound per kernel call (None: `row_statistics.DEFAULT_SCRATCH_BYTES`)."""
+        raise self.not_supported("block_sums")
 
     def select_blocks(self, sums: jax.Array, threshold: jax.Array, *, causal: bool,
                       keep_sink: bool, keep_recent: bool) -> jax.Array:

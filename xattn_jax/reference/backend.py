@@ -8,7 +8,8 @@ import jax
 
 from xattn_jax.backend import Backend
 from xattn_jax.geometry import Geometry
-from xattn_jax.reference import attention, estimate, sampled_rows
+from xattn_jax.reference import attention, estimate
+from xattn_jax.reference import sampled_rows
 from xattn_jax.reference.paged import gather_pages
 from xattn_jax.sampled_geometry import SampledGeometry
 
@@ -25,18 +26,18 @@ class ReferenceBackend(Backend):
     def strided_scores(self, q, k, *, geom: Geometry, norm: float) -> jax.Array:
         return _strided_scores(q, k, geom, norm)
 
-    def block_sums(self, q, k, *, geom: Geometry, causal: bool, norm: float, key_len=None,
-                   block_table=None, max_scratch_bytes: int | None = None) -> jax.Array:
-        del max_scratch_bytes  # no scratch: the reference materializes the scores
-        keys = k if block_table is None else gather_pages(k, block_table)
-        return estimate.block_sums(q, keys, geom, causal=causal, norm=norm, key_len=key_len)
-
     def sampled_block_mass(self, q, k, *, geom: SampledGeometry, causal: bool,
                            key_len=None, block_table=None,
                            max_scratch_bytes: int | None = None) -> jax.Array:
         del max_scratch_bytes  # no scratch: the reference materializes a step's scores
         keys = k if block_table is None else gather_pages(k, block_table)
         return sampled_rows.block_mass(q, keys, key_len, geom=geom, causal=causal)
+
+    def block_sums(self, q, k, *, geom: Geometry, causal: bool, norm: float, key_len=None,
+                   block_table=None, max_scratch_bytes: int | None = None) -> jax.Array:
+        del max_scratch_bytes  # no scratch: the reference materializes the scores
+        keys = k if block_table is None else gather_pages(k, block_table)
+        return estimate.block_sums(q, keys, geom, causal=causal, norm=norm, key_len=key_len)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
                       keep_recent: bool) -> jax.Array:
