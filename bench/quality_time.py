@@ -68,10 +68,10 @@ ESTIMATE_OF_RULE = {"estimate": "antidiagonal", "sampled-rows": "sampled-rows"}
 BISECTION_STEPS = 24  # halvings of the threshold interval (0, 1]: float32's resolution
 DENSITY_TOLERANCE = 0.005  # a timed mask further than this from the model's is logged
 
-# The sampled-rows block scores timed, and their implementation's name in the records.
-# To time another implementation, change this one line, e.g. to
-# ("mosaic", functools.partial(sampled_block_mass, impl="mosaic")).
-SAMPLED_ROWS = ("jax", sampled_block_mass)
+# The sampled-rows block scores timed, and their implementation's name in the records
+# ("auto": the Triton kernel on a GPU). To time another implementation, change this one
+# line, e.g. to ("reference", functools.partial(sampled_block_mass, impl="reference")).
+SAMPLED_ROWS = ("auto", sampled_block_mass)
 
 
 # --- the settings ----------------------------------------------------------------------

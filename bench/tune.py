@@ -1,10 +1,13 @@
 """Measures tile variants of the fused block-sum kernels and checks each one first.
 
     python -m bench.tune [--variants Q,K,W,S[,SPAN[,PASSES[,D]]];...] [--shapes NAME,...]
+                         [--sampled-rows]
 
 For every variant: block sums against the reference on small random inputs (bfloat16,
 causal and not, GQA, odd lengths), then the median time on each shape with the ratio to
-the floor. The table at the end is what chose `xattn_jax.triton.plan.TUNED`. Q, K: block_q,
+the floor. `--sampled-rows`: the same kernels on the sampled rows' geometry
+(`xattn_jax.sampled_geometry`, block_size / 8 rows per block: the q.k products of stride
+8), checked against the plain-JAX sampled rows. The table at the end is what chose `xattn_jax.triton.plan.TUNED`. Q, K: block_q,
 block_k; W, S: warps and stages; SPAN the one-pass kernel's key tiles per program (0: the
 plan's default), PASSES 1 or 2 (0: the plan's choice), D block_d, the head-dim columns per
 pipeline step (0: all).
@@ -21,6 +24,8 @@ import numpy as np
 from bench.common import floor_ms, log, strided_flops, time_ms
 from xattn_jax import reference
 from xattn_jax.checks import check_qk
+from xattn_jax.reference import sampled_rows
+from xattn_jax.sampled_geometry import SampledGeometry
 from xattn_jax.triton.block_sums import block_sums
 from xattn_jax.triton.plan import BLOCK_SUM_KERNELS, Tiles, plan_block_sums
 
@@ -50,12 +55,25 @@ def _variant(text: str) -> tuple[Tiles, str | None]:
     return Tiles(rows, cols, depth or None, warps, stages, span or None), kernel
 
 
+def _geometry(q, k, block_size: int, causal: bool, sampled: bool):
+    """The antidiagonal estimate's geometry at stride 8, or the sampled rows' of the same
+    q.k products."""
+    geom = check_qk(q, k, stride=8, block_size=block_size, causal=causal)
+    return SampledGeometry.of(geom, block_size // 8, None) if sampled else geom
+
+
+def _reference(q, k, geom, causal: bool):
+    if isinstance(geom, SampledGeometry):
+        return sampled_rows.block_mass(q, k, geom=geom, causal=causal)
+    return reference.block_sums(q, k, geom, causal=causal, norm=1.0)
+
+
 def _plan(geom, causal: bool, tiles: Tiles, kernel: str | None):
     return plan_block_sums(geom, jnp.bfloat16, causal, interpret=False, tiles=tiles,
                            kernel=kernel)
 
 
-def check(tiles: Tiles, kernel: str | None) -> float:
+def check(tiles: Tiles, kernel: str | None, sampled: bool) -> float:
     """Worst relative error of the variant's block sums over CHECKS on bf16 inputs.
 
     Both sides take the same inputs and accumulate in float32, so the error should be at
@@ -68,8 +86,8 @@ def check(tiles: Tiles, kernel: str | None) -> float:
             key, kq, kk = jax.random.split(key, 3)
             q = _random(kq, (1, hq, lq, 128), dtype)
             k = _random(kk, (1, hkv, lk, 128), dtype)
-            geom = check_qk(q, k, stride=8, block_size=bs, causal=causal)
-            want = reference.block_sums(q, k, geom, causal=causal, norm=1.0)
+            geom = _geometry(q, k, bs, causal, sampled)
+            want = _reference(q, k, geom, causal)
             got = block_sums(q, k, plan=_plan(geom, causal, tiles, kernel), causal=causal,
                              norm=1.0)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
@@ -83,13 +101,15 @@ def main(argv=None) -> None:
                         help="block_q,block_k,num_warps,num_stages[,span[,passes[,"
                              "block_d]]];... (default: %(default)s)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES")
+    parser.add_argument("--sampled-rows", action="store_true",
+                        help="the kernels on the sampled rows' geometry")
     args = parser.parse_args(argv)
     variants = [_variant(v) for v in args.variants.split(";")]
     rows = []
     for tiles, kernel in variants:
         log(f"checking {tiles}, kernel {kernel or 'default'}")
         try:
-            err = check(tiles, kernel)
+            err = check(tiles, kernel, args.sampled_rows)
         except jax.errors.JaxRuntimeError as e:  # e.g. the tile needs too much shared memory
             log(f"  failed: {str(e).splitlines()[0]}")
             continue
@@ -99,7 +119,7 @@ def main(argv=None) -> None:
             keys = jax.random.split(jax.random.PRNGKey(0), 2)
             q = _random(keys[0], (1, hq, q_len, 128), jnp.bfloat16)
             k = _random(keys[1], (1, hkv, k_len, 128), jnp.bfloat16)
-            geom = check_qk(q, k, stride=8, block_size=bs, causal=causal)
+            geom = _geometry(q, k, bs, causal, args.sampled_rows)
             plan = _plan(geom, causal, tiles, kernel)
             fn = jax.jit(lambda q, k, p=plan, c=causal: block_sums(q, k, plan=p, causal=c,
                                                                   norm=1.0))

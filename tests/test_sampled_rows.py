@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xattn_jax
-from xattn_jax import sampled_rows
+from xattn_jax.reference import sampled_rows
 from xattn_jax.calibrate import head_curves
 from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS
 
@@ -67,11 +67,11 @@ def test_every_row_sampled_is_the_exact_block_mass(rand):
 
 def test_steps_of_query_blocks_change_nothing(rand, monkeypatch):
     q, k = rand.qk(1, 3, 1, 128, 128, 8, stride=1)
-    whole = xattn_jax.sampled_block_mass(q, k, block_size=16, rows=4)
+    whole = xattn_jax.sampled_block_mass(q, k, block_size=16, rows=4, impl="reference")
     monkeypatch.setattr(sampled_rows, "SCORE_STEP_BYTES", 3 * 4 * 3 * 4 * 128)  # 3 blocks
-    sampled_rows._block_mass.clear_cache()
-    stepped = xattn_jax.sampled_block_mass(q, k, block_size=16, rows=4)
-    sampled_rows._block_mass.clear_cache()
+    sampled_rows.block_mass.clear_cache()
+    stepped = xattn_jax.sampled_block_mass(q, k, block_size=16, rows=4, impl="reference")
+    sampled_rows.block_mass.clear_cache()
     np.testing.assert_allclose(np.asarray(stepped), np.asarray(whole), rtol=1e-6, atol=1e-7)
 
 

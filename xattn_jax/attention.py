@@ -29,7 +29,8 @@ from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_int, 
 from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE,
                                 THRESHOLD)
 from xattn_jax.geometry import Geometry, cdiv
-from xattn_jax.sampled_rows import sampled_block_mass
+from xattn_jax.sampled_geometry import SampledGeometry
+from xattn_jax.sampled_rows import ROWS
 
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
 
@@ -191,8 +192,8 @@ def _xattention(q, k, v, threshold, *, geom: Geometry,
         _, mask = _estimate(q, k, threshold, geom=geom, norm=norm, max_scratch_bytes=None,
                             **widening)
     else:
-        sums = sampled_block_mass(q, k, block_size=geom.block_size, causal=causal,
-                                  scale=scale)
+        sums = backends.estimate.sampled_block_mass(
+            q, k, geom=SampledGeometry.of(geom, ROWS, scale), causal=causal)
         mask = _select(sums, threshold, **widening)
     out = backends.attention.block_sparse_attention(
         q, k, v, mask, block_size=geom.block_size, causal=causal, scale=scale,
@@ -228,9 +229,9 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
       estimate: the block scores the threshold rule selects on (one of ESTIMATES):
         "antidiagonal", XAttention's estimate (`xattn_estimate`, with stride and norm);
         "sampled-rows", the exact attention mass of 16 sampled rows per query block
-        (`xattn_jax.sampled_rows`, with scale; stride and norm unused), closer to the
-        exact block mass on a real model (docs/tuning.md: sampled-rows) and plain JAX
-        (no Pallas kernel yet).
+        (`xattn_jax.sampled_block_mass`, with scale; stride and norm unused; block_size
+        at least 16), closer to the exact block mass on a real model (docs/tuning.md:
+        sampled-rows).
 
     Returns:
       out `[B, Hq, Lq, Dv]` in q's dtype, or `(out, mask)` with mask bool
@@ -241,6 +242,9 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
     check_v(v, k, None)
     return_mask = check_flag("return_mask", return_mask)
     estimate = check_choice("estimate", estimate, ESTIMATES)
+    if estimate == "sampled-rows" and geom.block_size < ROWS:
+        raise ValueError(f"block_size must be at least {ROWS} with estimate='sampled-rows' "
+                         f"(its sampled rows per block), got {geom.block_size}")
     t = threshold_per_head(threshold, geom.q_heads)
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), name="xattention", geom=geom,

@@ -14,9 +14,10 @@ from typing import ClassVar, NamedTuple
 import jax
 
 from xattn_jax.geometry import Geometry
+from xattn_jax.sampled_geometry import SampledGeometry
 
 OPS = ("strided_scores", "block_sums", "select_blocks", "block_sparse_attention",
-       "ragged_block_sums", "ragged_attention")
+       "sampled_block_mass", "ragged_block_sums", "ragged_attention")
 
 
 class AttentionCall(NamedTuple):
@@ -75,6 +76,16 @@ class Backend:
         """Section 1: q `[B, Hq, Lq, D]`, k `[B, Hkv, Lk, D]` -> float32
         `[B, Hq, ceil(Lq/S), ceil(Lk/S)]`."""
         raise self.not_supported("strided_scores")
+
+    def sampled_block_mass(self, q: jax.Array, k: jax.Array, *, geom: SampledGeometry,
+                           causal: bool, key_len: jax.Array | None = None,
+                           block_table: jax.Array | None = None,
+                           max_scratch_bytes: int | None = None) -> jax.Array:
+        """The sampled rows' block scores (docs/estimate.md, "Sampled rows"): float32
+        `[B, Hq, qb, kb]` for geom's rows per query block and softmax scale. key_len,
+        block_table and max_scratch_bytes: as in `block_sums` (key_len, block_table:
+        non-causal calls, section 5's keys)."""
+        raise self.not_supported("sampled_block_mass")
 
     def block_sums(self, q: jax.Array, k: jax.Array, *, geom: Geometry, causal: bool,
                    norm: float, key_len: jax.Array | None = None,

@@ -60,9 +60,11 @@ def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOL
     error, its output's distance from dense attention's, ||out - dense|| / ||dense|| over
     every row of the head. estimate: the block scores selected on, as in `xattention`;
     block_scores: float32 `[B, Hq, qb, kb]` to select on instead (the exact block mass,
-    say, to see what the estimate costs).
+    say, to see what the estimate costs). impl: the attention's, as in `xattention`, whose
+    rule picks the estimate's too.
     """
     options = dict(block_size=block_size, causal=True, scale=scale, impl=impl)
+    estimate_impl = impls.resolve_xattention(impl, q).estimate  # as xattention runs it
     qb, kb = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
     _, allowed = forced_and_allowed(qb, kb, causal=True, keep_sink=False, keep_recent=False)
     dense = block_sparse_attention(q, k, v, jnp.broadcast_to(allowed, (*q.shape[:2], qb, kb)),
@@ -71,10 +73,11 @@ def head_curves(q: jax.Array, k: jax.Array, v: jax.Array, *, thresholds=THRESHOL
     if block_scores is not None:
         sums = block_scores
     elif check_choice("estimate", estimate, ESTIMATES) == "sampled-rows":
-        sums = sampled_block_mass(q, k, block_size=block_size, causal=True, scale=scale)
+        sums = sampled_block_mass(q, k, block_size=block_size, causal=True, scale=scale,
+                                  impl=estimate_impl)
     else:
         sums, _ = xattn_estimate(q, k, block_size=block_size, stride=stride, norm=norm,
-                                 causal=True)
+                                 causal=True, impl=estimate_impl)
     density, error = [], []
     for t in thresholds:
         mask = select_blocks(sums, float(t), causal=True, min_blocks=min_blocks,

@@ -53,8 +53,13 @@ class Geometry:
 
     @property
     def block_rows(self) -> int:
-        """A block's size in the reshaped space: block_size / S."""
+        """A query block's rows in the reshaped space: block_size / S."""
         return self.block_size // self.stride
+
+    @property
+    def block_cols(self) -> int:
+        """A key block's columns in the reshaped space: block_size / S, as its rows."""
+        return self.block_rows
 
     @property
     def q_blocks(self) -> int:
@@ -73,3 +78,16 @@ class Geometry:
     def scale(self) -> float:
         """1 / (sqrt(D) * S * norm) without norm; callers divide by norm."""
         return 1.0 / (math.sqrt(self.head_dim) * self.stride)
+
+    def query_position(self, rows):
+        """The reshaped column at the query position of reshaped rows `rows` (ints, maybe
+        traced), counted from the first query: row i's causal diagonal is column
+        query_position(i) + row_offset, and its stride group starts at query token
+        query_position(i) * S. Row i itself: the stride group of tokens iS .. iS + S-1
+        (`SampledGeometry` places sampled rows instead)."""
+        return rows
+
+    def query_tokens_end(self, row_extent: int) -> int:
+        """An upper bound on one past the last query token that reshaped rows below
+        `row_extent` read: row_extent * S."""
+        return row_extent * self.stride

@@ -2,7 +2,8 @@
 
 - "reference": plain JAX (`xattn_jax.reference`); any device; every op.
 - "triton": Pallas kernels on the Triton backend (`xattn_jax.triton`); NVIDIA GPUs, and
-  elsewhere Pallas interpret mode (slow: for tests). The estimate's ops; no attention.
+  elsewhere Pallas interpret mode (slow: for tests). The estimate's ops (the sampled
+  rows' too); no attention.
 - "mosaic": Pallas kernels on the Mosaic GPU backend (`xattn_jax.mosaic`); NVIDIA Hopper
   GPUs. Block-sparse attention and the estimate's block sums; the other estimate ops
   run the Triton kernels (its companion), and a ValueError names what else a call needs.
@@ -33,7 +34,7 @@ from xattn_jax.reference.backend import ReferenceBackend
 from xattn_jax.triton.backend import TritonBackend
 
 # the ops a call resolves one backend for: the estimate's, and the attention's
-ESTIMATE = ("strided_scores", "block_sums", "select_blocks")
+ESTIMATE = ("strided_scores", "block_sums", "select_blocks", "sampled_block_mass")
 ATTENTION = ("block_sparse_attention",)
 RAGGED_ESTIMATE = ("ragged_block_sums", "select_blocks")  # a ragged step's two stages
 RAGGED_ATTENTION = ("ragged_attention",)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import fp8, impls, partitioning, reference
+from xattn_jax.attention import ESTIMATES
 from xattn_jax.backend import Backend
 from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_flag,
                               check_float_array, check_kv_sizes, check_norm, check_qk,
@@ -30,6 +31,7 @@ from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_fla
 from xattn_jax.defaults import (ESTIMATE_BLOCK_SIZE, KV_BLOCK_SIZE, KV_THRESHOLD, NORM,
                                 STRIDE)
 from xattn_jax.geometry import Geometry, cdiv
+from xattn_jax.sampled_geometry import SampledGeometry
 
 RULES = ("score", "vote")
 EMPTY_BLOCK = -1.0  # the score of a KV block that holds no key (a real share is >= 0)
@@ -56,14 +58,18 @@ def _sum_groups(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "norm", "per_kv_block",
-                                             "per_query_block", "impl"))
+                                             "per_query_block", "impl", "estimate"))
 def _kv_scores(q, k, key_len, block_table, *, geom: Geometry, norm: float, per_kv_block: int,
-               per_query_block: bool, impl: Backend):
+               per_query_block: bool, impl: Backend, estimate: str):
     key_len = jnp.asarray(key_len, jnp.int32)
     if block_table is not None:
         block_table = block_table.astype(jnp.int32)
-    sums = impl.block_sums(q, k, geom=geom, causal=False, norm=norm, key_len=key_len,
-                           block_table=block_table)
+    cache = dict(causal=False, key_len=key_len, block_table=block_table)
+    if estimate == "sampled-rows":  # every S-th query: the antidiagonal's q.k products
+        sampled = SampledGeometry.of(geom, geom.block_rows, geom.head_dim ** -0.5 / norm)
+        sums = impl.sampled_block_mass(q, k, geom=sampled, **cache)
+    else:
+        sums = impl.block_sums(q, k, geom=geom, norm=norm, **cache)
     rows = _sum_groups(sums, 2, per_kv_block) if per_query_block else sums.sum(axis=2)
     scores = _sum_groups(rows, rows.ndim - 1, per_kv_block)
     first_key = jnp.arange(scores.shape[-1]) * (per_kv_block * geom.block_size)
@@ -74,7 +80,7 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = KV_BLOCK
                     estimate_block_size: int = ESTIMATE_BLOCK_SIZE, stride: int = STRIDE,
                     norm: float = NORM,
                     k_len=None, block_table=None, per_query_block: bool = False,
-                    impl: str = "auto") -> jax.Array:
+                    impl: str = "auto", estimate: str = "antidiagonal") -> jax.Array:
     """Softmax mass of a chunk's queries in each KV-cache block: float32 `[B, Hq, n]`.
 
     q: the chunk `[B, Hq, Lq, D]`, all of it after every cached key (no causal mask).
@@ -98,6 +104,12 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = KV_BLOCK
     per_query_block keeps the chunk's query blocks (of kv_block_size tokens):
     `[B, Hq, ceil(Lq / kv_block_size), n]`, the rows of the "vote" rule of
     `select_kv_blocks`.
+    estimate: the softmax mass summed (one of `attention.ESTIMATES`): "antidiagonal",
+    that of the reshaped rows of sections 1-2; "sampled-rows", the exact attention (scale
+    1 / (sqrt(D) norm)) of the chunk's sampled rows, estimate_block_size / stride per
+    query block of estimate_block_size (every stride-th query where the chunk fills its
+    blocks: the antidiagonal's q.k products), whose scores sum to that many rows per
+    query block (docs/estimate.md section 5).
 
     Unchecked values (a jax.Array k_len or block_table; `xattn_jax.checked` checks them):
     k_len below 1 makes every block EMPTY_BLOCK; k_len past the capacity counts as the
@@ -106,7 +118,8 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = KV_BLOCK
     if isinstance(k, fp8.Fp8Keys):  # dequantized, then read as contiguous keys
         k, block_table = fp8.keys_for_estimate(q, k, block_table), None
     options = dict(kv_block_size=kv_block_size, estimate_block_size=estimate_block_size,
-                   stride=stride, norm=norm, per_query_block=per_query_block, impl=impl)
+                   stride=stride, norm=norm, per_query_block=per_query_block, impl=impl,
+                   estimate=estimate)
 
     def prepare():
         check_kv_sizes(kv_block_size, estimate_block_size, stride)
@@ -117,7 +130,8 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = KV_BLOCK
             _kv_scores, layouts, name="kv_block_scores", geom=geom, norm=check_norm(norm),
             per_kv_block=kv_block_size // estimate_block_size,
             per_query_block=check_flag("per_query_block", per_query_block),
-            impl=impls.resolve(impl, q, k))
+            impl=impls.resolve(impl, q, k), estimate=check_choice("estimate", estimate,
+                                                                   ESTIMATES))
         return run, geom.k_len, table
 
     # a block table's page ids are checked on every call: no signature with one

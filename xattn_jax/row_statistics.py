@@ -6,10 +6,11 @@ by the one-pass kernels of both backends (`xattn_jax.triton.one_pass`,
 A row's softmax needs its maximum and sum over every key before any block sum can be
 normalized, so those kernels store, per reshaped query row r and key tile t, the tile's
 maximum m[t, r] of A' = A * log2(e), the sums x[t, r, u] of 2^(A' - m) over the columns
-of each unit u (`gcd(block_rows, tile columns)` columns: a block is a whole number of
-units) and their totals. `combine` forms per row M = max_t m and L = sum_t 2^(m - M) total,
-weighs each x by 2^(m - M) / L (exactly the row's softmax mass in the unit) and sums rows
-and units into blocks.
+of each unit u (`gcd(block_cols, tile columns)` columns: a key block is a whole number
+of units) and their totals. `combine` forms per row M = max_t m and L = sum_t 2^(m - M)
+total, weighs each x by 2^(m - M) / L (exactly the row's softmax mass in the unit) and
+sums rows and units into blocks. The rows are reshaped query rows (`geom.block_rows` to a
+query block) or sampled query rows (`xattn_jax.sampled_geometry`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ DEFAULT_SCRATCH_BYTES = 48 << 20
 
 
 class UnitSums:
-    """The unit sums of a plan whose key tiles are `block_k` reshaped columns of blocks of
-    `geom.block_rows` (both backends' one-pass plans derive from it)."""
+    """The unit sums of a plan whose key tiles are `block_k` reshaped columns of key
+    blocks of `geom.block_cols` (both backends' one-pass plans derive from it)."""
 
     @property
     def unit(self) -> int:
-        """Columns per unit sum: gcd(block_rows, block_k), so that a block and a key tile
-        are each a whole number of units."""
-        return math.gcd(self.geom.block_rows, self.block_k)
+        """Columns per unit sum: gcd(block_cols, block_k), so that a key block and a key
+        tile are each a whole number of units."""
+        return math.gcd(self.geom.block_cols, self.block_k)
 
     @property
     def units_per_tile(self) -> int:
@@ -109,9 +110,9 @@ def combine(maxes: jax.Array, sums: jax.Array, totals: jax.Array, geom: Geometry
 
 def blocks_of_units(rows_summed: jax.Array, geom: Geometry, unit: int) -> jax.Array:
     """Sums `[B, Hq, T, qb, P]` of each query block's rows per tile and unit -> block
-    sums `[B, Hq, qb, kb]` (a key block is `block_rows / unit` consecutive units)."""
+    sums `[B, Hq, qb, kb]` (a key block is `block_cols / unit` consecutive units)."""
     b, h, _, q_blocks, _ = rows_summed.shape
-    per_block = geom.block_rows // unit
+    per_block = geom.block_cols // unit
     units = jnp.moveaxis(rows_summed, 2, 3).reshape(b, h, q_blocks, -1)  # [B, Hq, qb, T*P]
     units = fit(units, 3, geom.k_blocks * per_block)
     return units.reshape(b, h, q_blocks, geom.k_blocks, per_block).sum(axis=4)

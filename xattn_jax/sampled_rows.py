@@ -10,8 +10,9 @@ do the same matrix-product FLOPs at `rows = block_size / stride` (16 at block 12
 stride 8); on a real model this one's selections are close to the exact block mass's
 (docs/tuning.md: sampled-rows).
 
-The implementation is plain JAX, in steps of query blocks whose float32 scores take at
-most `SCORE_STEP_BYTES`. There is no Pallas kernel for it yet.
+The backends compute it (`impl`): the Triton backend with its one-pass block-sum kernel
+on the sampled rows' geometry (`xattn_jax.sampled_geometry`), the Mosaic backend through
+that companion, the reference in plain JAX (`xattn_jax.reference.sampled_rows`).
 """
 
 from __future__ import annotations
@@ -19,32 +20,23 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from xattn_jax import impls, partitioning
+from xattn_jax.api import QK_LAYOUTS
+from xattn_jax.backend import Backend
 from xattn_jax.checks import check_flag, check_int, check_qk, check_scale
 from xattn_jax.defaults import BLOCK_SIZE
-from xattn_jax.geometry import cdiv
+from xattn_jax.sampled_geometry import SampledGeometry, sampled_positions
+
+__all__ = ["ROWS", "sampled_block_mass", "sampled_positions"]
 
 # sampled rows per query block (docs/tuning.md: sampled-rows)
 ROWS = 16
-SCORE_STEP_BYTES = 256 * 2**20  # bound on one step's float32 scores [B, Hq, rows, Lk]
-
-
-def sampled_positions(q_len: int, block_size: int, rows: int) -> np.ndarray:
-    """int32 `[qb, rows]`: the query rows scored in each block, the last row of each of
-    `rows` equal parts of the block (a short last block repeats rows where it has fewer
-    than `rows`)."""
-    starts = np.arange(0, q_len, block_size)
-    lengths = np.minimum(block_size, q_len - starts)
-    parts = np.arange(1, rows + 1)
-    offsets = np.maximum(parts[None, :] * lengths[:, None] // rows - 1, 0)
-    return (starts[:, None] + offsets).astype(np.int32)
 
 
 def sampled_block_mass(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SIZE,
-                       rows: int = ROWS, causal: bool = True,
-                       scale: float | None = None) -> jax.Array:
+                       rows: int = ROWS, causal: bool = True, scale: float | None = None,
+                       impl: str = "auto") -> jax.Array:
     """Each (query block, key block)'s attention mass over `rows` sampled query rows.
 
     Args:
@@ -53,11 +45,15 @@ def sampled_block_mass(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SI
       block_size: tokens per block, on both axes; rows: sampled rows per query block, in
         [1, block_size]; causal: a query sees the keys up to its own position; scale: the
         softmax's q.k multiplier, default 1 / sqrt(D) (the attention's).
+      impl: "auto", "reference", "triton" or "mosaic" (`xattn_jax.impls`; "mosaic" runs
+        its Triton companion's kernel).
 
     Returns float32 `[B, Hq, ceil(Lq/block_size), ceil(Lk/block_size)]`: each row sums
     to `rows` (every sampled row's probabilities sum to 1). With causal=True, blocks past
     a query block's diagonal are 0, and Lk - Lq must be a multiple of block_size (as for
-    `xattn_estimate`). The products are exact in float32 (accumulated in float32).
+    `xattn_estimate`). The products are exact in float32 (accumulated in float32). The
+    Triton kernel's scratch stays within `row_statistics.DEFAULT_SCRATCH_BYTES` per kernel
+    call (docs/tuning.md: workspace-bound).
 
     Raises TypeError or ValueError naming the argument for inputs that break these rules.
     """
@@ -65,37 +61,13 @@ def sampled_block_mass(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SI
     rows = check_int("rows", rows, 1)
     if rows > geom.block_size:
         raise ValueError(f"rows must be at most block_size {geom.block_size}, got {rows}")
-    scale = check_scale(scale)
-    return _block_mass(q, k, block_size=geom.block_size, rows=rows,
-                       causal=check_flag("causal", causal),
-                       scale=q.shape[-1] ** -0.5 if scale is None else scale)
+    run = partitioning.on_shards(_block_mass, QK_LAYOUTS, name="sampled_block_mass",
+                                 geom=SampledGeometry.of(geom, rows, check_scale(scale)),
+                                 causal=check_flag("causal", causal),
+                                 impl=impls.resolve(impl, q, k))
+    return run(q, k)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "rows", "causal", "scale"))
-def _block_mass(q, k, *, block_size: int, rows: int, causal: bool, scale: float):
-    b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    qb, kb = cdiv(lq, block_size), cdiv(lk, block_size)
-    per_step = max(1, min(qb, SCORE_STEP_BYTES // (4 * b * hq * rows * kb * block_size)))
-    steps = cdiv(qb, per_step)
-    positions = sampled_positions(lq, block_size, rows)
-    padding = np.zeros((steps * per_step - qb, rows), np.int32)  # steps past the end
-    positions = np.concatenate([positions, padding])
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, kb * block_size - lk), (0, 0)))
-    keys = jnp.arange(kb * block_size)
-    # 4-byte inputs need HIGHEST (not TF32); 2-byte inputs' products are exact in float32
-    precision = jax.lax.Precision.HIGHEST if q.dtype.itemsize >= 4 else None
-
-    def step(rows_of_step):  # int32 [per_step, rows] -> float32 [B, Hq, per_step, kb]
-        flat = rows_of_step.reshape(-1)
-        qg = q[:, :, flat].reshape(b, hkv, hq // hkv, flat.size, d)
-        s = jnp.einsum("bkgnd,bkjd->bkgnj", qg, k, preferred_element_type=jnp.float32,
-                       precision=precision)
-        visible = keys[None, :] < lk
-        if causal:
-            visible &= keys[None, :] <= flat[:, None] + (lk - lq)
-        p = jax.nn.softmax(jnp.where(visible, s * scale, -jnp.inf), axis=-1)
-        return p.reshape(b, hq, per_step, rows, kb, block_size).sum(axis=(3, 5))
-
-    mass = jax.lax.map(step, jnp.asarray(positions).reshape(steps, per_step, rows))
-    return mass.transpose(1, 2, 0, 3, 4).reshape(b, hq, steps * per_step, kb)[:, :, :qb]
+@functools.partial(jax.jit, static_argnames=("geom", "causal", "impl"))
+def _block_mass(q, k, *, geom: SampledGeometry, causal: bool, impl: Backend):
+    return impl.sampled_block_mass(q, k, geom=geom, causal=causal)

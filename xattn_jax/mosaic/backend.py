@@ -22,6 +22,7 @@ from xattn_jax.mosaic.attention import ragged_plan
 from xattn_jax.mosaic.estimate import heuristics
 from xattn_jax.mosaic.estimate import plan as estimate_plan
 from xattn_jax.reference.backend import ReferenceBackend
+from xattn_jax.sampled_geometry import SampledGeometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,7 @@ class MosaicBackend(Backend):
     """impl="mosaic" (the ops' arguments: `xattn_jax.backend.Backend`).
 
     companion: the backend running the estimate's ops this one has no kernel for
-      (strided_scores, select_blocks) and, with `fallback`, the block sums it does not
+      (strided_scores, select_blocks, sampled_block_mass) and, with `fallback`, the block sums it does not
       take (`xattn_jax.impls` gives it the Triton backend).
     fallback: as "auto" resolves on Hopper: block sums the Mosaic kernel does not take,
       or takes in fewer CTAs than `heuristics.auto_min_ctas` (docs/tuning.md:
@@ -73,6 +74,13 @@ class MosaicBackend(Backend):
         return block_sums.block_sums(q, k, plan=plan, norm=norm,
                                      key_len=None if key_len is None else key_len.reshape(1),
                                      block_table=block_table)
+
+    def sampled_block_mass(self, q, k, *, geom: SampledGeometry, causal: bool,
+                           key_len=None, block_table=None,
+                           max_scratch_bytes: int | None = None) -> jax.Array:
+        return self.companion.sampled_block_mass(q, k, geom=geom, causal=causal,
+                                                 key_len=key_len, block_table=block_table,
+                                                 max_scratch_bytes=max_scratch_bytes)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
                       keep_recent: bool, diagonal=None) -> jax.Array:

@@ -2,7 +2,8 @@
 
 `estimate`: sections 1-4 of docs/estimate.md (strided scores, softmax block sums, the
 threshold selection). `attention`: section 6 (block-sparse attention on the mask).
-`paged`: a paged KV cache read as contiguous keys.
+`sampled_rows`: the sampled rows' block scores ("Sampled rows"). `paged`: a paged KV
+cache read as contiguous keys.
 """
 
 from xattn_jax.reference.attention import block_sparse_attention

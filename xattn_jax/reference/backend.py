@@ -10,6 +10,8 @@ from xattn_jax.backend import Backend
 from xattn_jax.geometry import Geometry
 from xattn_jax.reference import attention, estimate, ragged
 from xattn_jax.reference.paged import gather_pages
+from xattn_jax.reference.sampled_rows import block_mass as sampled_block_mass
+from xattn_jax.sampled_geometry import SampledGeometry
 
 _strided_scores = jax.jit(estimate.strided_scores, static_argnums=(2, 3))
 
@@ -23,6 +25,13 @@ class ReferenceBackend(Backend):
 
     def strided_scores(self, q, k, *, geom: Geometry, norm: float) -> jax.Array:
         return _strided_scores(q, k, geom, norm)
+
+    def sampled_block_mass(self, q, k, *, geom: SampledGeometry, causal: bool,
+                           key_len=None, block_table=None,
+                           max_scratch_bytes: int | None = None) -> jax.Array:
+        del max_scratch_bytes  # no scratch: the reference materializes a step's scores
+        keys = k if block_table is None else gather_pages(k, block_table)
+        return sampled_block_mass(q, keys, key_len, geom=geom, causal=causal)
 
     def block_sums(self, q, k, *, geom: Geometry, causal: bool, norm: float, key_len=None,
                    block_table=None, max_scratch_bytes: int | None = None) -> jax.Array:

@@ -1,6 +1,6 @@
 """The Triton backend: the estimate's ops as Pallas kernels on the Triton backend, for
-NVIDIA GPUs and, elsewhere, in Pallas' interpret mode (slow: for tests). It has no
-attention kernel."""
+NVIDIA GPUs and, elsewhere, in Pallas' interpret mode (slow: for tests): the block sums,
+and on their kernels the sampled rows' block scores. It has no attention kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jax
 from xattn_jax import reference
 from xattn_jax.backend import Backend, platform_of
 from xattn_jax.geometry import Geometry
+from xattn_jax.sampled_geometry import SampledGeometry
 from xattn_jax.triton import block_sums as block_sums_kernel
 from xattn_jax.triton import ragged_block_sums as ragged_kernel
 from xattn_jax.triton import select_blocks as select_kernel
@@ -54,6 +55,14 @@ class TritonBackend(Backend):
         return block_sums_kernel.block_sums(
             q, k, plan=plan, causal=causal, norm=norm,
             key_len=None if key_len is None else key_len.reshape(1), block_table=block_table)
+
+    def sampled_block_mass(self, q, k, *, geom: SampledGeometry, causal: bool,
+                           key_len=None, block_table=None,
+                           max_scratch_bytes: int | None = None) -> jax.Array:
+        # the block-sum kernels on the sampled rows' geometry: single query tokens at the
+        # sampled positions against single keys, at the attention's scale
+        return self.block_sums(q, k, geom=geom, causal=causal, norm=1.0, key_len=key_len,
+                               block_table=block_table, max_scratch_bytes=max_scratch_bytes)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
                       keep_recent: bool, diagonal=None) -> jax.Array:

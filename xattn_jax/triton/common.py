@@ -152,17 +152,17 @@ def step_product(load_queries, load_keys, row0, col0, step, *, plan: Plan) -> ja
     A score tile is the sum of S * plan.head_parts steps: step t is stride member
     t // head_parts over head-dim part t % head_parts (block_d columns, a power of two
     dividing the padded head dim).
-    Reshaped row i holds query tokens i*S + S-1, ..., i*S (its group read in reverse) and
-    column j key tokens j*S, ..., j*S + S-1, so member m pairs query token i*S + S-1-m
-    with key token j*S + m. load_queries(tokens, part, depth) and load_keys(...) return
+    Reshaped row i holds query tokens p*S + S-1, ..., p*S (its group read in reverse; p =
+    `geom.query_position(i)`, i itself but for sampled rows) and column j key tokens j*S,
+    ..., j*S + S-1, so member m pairs query token p*S + S-1-m with key token j*S + m. load_queries(tokens, part, depth) and load_keys(...) return
     one (batch, query head)'s query token rows and its key head's key token rows
     (`load_tokens` or `load_paged_tokens`, bound by the real token counts or unmasked).
     """
     s, parts, depth = plan.geom.stride, plan.head_parts, plan.block_d
     # lax.div/rem: step >= 0, and jnp's floor division lowers to i1 selects on GPU
     member, part = jax.lax.div(step, parts), jax.lax.rem(step, parts)
-    q_part = load_queries((row0 + jnp.arange(plan.block_q)) * s + (s - 1 - member),
-                          part=part, depth=depth)
+    positions = plan.geom.query_position(row0 + jnp.arange(plan.block_q))
+    q_part = load_queries(positions * s + (s - 1 - member), part=part, depth=depth)
     k_part = load_keys((col0 + jnp.arange(plan.block_k)) * s + member, part=part,
                        depth=depth)
     precision = (jax.lax.Precision.HIGHEST if q_part.dtype == jnp.float32

@@ -120,7 +120,7 @@ def one_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
 
     sees_keys = True if key_len is None else key_len[0] > 0
     kernel_keys, last_group = key_len, None
-    if key_len is not None and plan.keys_fit:
+    if key_len is not None and plan.keys_fit and geom.stride > 1:  # S 1: no partial group
         kernel_keys, *last_group = split_last_group(q, k, key_len, block_table, geom, norm)
 
     def block_sums_of(first_head, first_row, q_blocks):

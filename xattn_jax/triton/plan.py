@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry, cdiv, next_pow2
 from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES, UnitSums
+from xattn_jax.sampled_geometry import SampledGeometry
 
 ONE_PASS, TWO_PASS, STRIDED_SCORES = "one_pass", "two_pass", "strided_scores"
 BLOCK_SUM_KERNELS = (ONE_PASS, TWO_PASS)
@@ -56,6 +57,9 @@ TUNED = {2: Tiles(block_q=128, block_k=256, block_d=64, num_warps=8, num_stages=
 BASE_HEAD_DIM = 128  # larger head dims shrink the tile (docs/tuning.md: triton-head-dim-shrink)
 # key tiles per one-pass program (docs/tuning.md: triton-span, triton-causal-span)
 SPAN, CAUSAL_SPAN = 8, 2
+# Sampled rows' key tiles hold single keys: their programs take this many times the tiles,
+# the keys of a program at stride 8 (docs/tuning.md: triton-sampled-rows-plan)
+SAMPLED_SPAN_SCALE = 8
 MIN_PROGRAMS = 1024  # smaller grids split the keys further (docs/tuning.md: triton-min-programs)
 # The selection program: (the padded width up to which it applies, None for every wider
 # row; the elements, rows x padded key blocks, it holds; its warps), the fastest at each
@@ -108,9 +112,10 @@ class Plan(UnitSums):
 
     @property
     def fine(self) -> int:
-        """The two-pass kernel's internal block in reshaped rows: the largest divisor of
-        block_rows that divides both tile sides."""
-        return math.gcd(self.geom.block_rows, self.block_q, self.block_k)
+        """The two-pass kernel's internal block in rows and columns: the largest divisor
+        of a query block's rows and a key block's columns that divides both tile sides."""
+        return math.gcd(self.geom.block_rows, self.geom.block_cols, self.block_q,
+                        self.block_k)
 
     @property
     def key_groups(self) -> int:
@@ -168,12 +173,15 @@ def tuned_tiles(geom: Geometry, dtype) -> Tiles:
 
 def _default_span(geom: Geometry, tiles: Tiles, causal: bool) -> int:
     """Key tiles per one-pass program: 2 in causal calls (balances the triangle), 8
-    otherwise, fewer where a short chunk of queries would leave the GPU with fewer than
-    MIN_PROGRAMS programs."""
+    otherwise (SAMPLED_SPAN_SCALE times that for sampled rows), fewer where a short chunk
+    of queries would leave the GPU with fewer than MIN_PROGRAMS programs."""
     key_tiles = cdiv(geom.k_cols, tiles.block_k)
     row_programs = geom.batch * geom.q_heads * cdiv(geom.q_rows, tiles.block_q)
     groups = cdiv(MIN_PROGRAMS, row_programs)
-    return min(CAUSAL_SPAN if causal else SPAN, cdiv(key_tiles, groups))
+    span = CAUSAL_SPAN if causal else SPAN
+    if isinstance(geom, SampledGeometry):
+        span *= SAMPLED_SPAN_SCALE
+    return min(span, cdiv(key_tiles, groups))
 
 
 def _even_steps(total: int, fit: int, quantum: int) -> int | None:

@@ -24,7 +24,9 @@ from xattn_jax.triton.plan import Plan
 
 
 class RowTile:
-    """Rows [row0, row0 + rows) of one (batch, query head), inside a kernel.
+    """Rows [row0, row0 + rows) of one (batch, query head), inside a kernel: reshaped
+    query rows, or sampled rows where `plan.geom` is a `SampledGeometry` (its
+    `query_position` places them).
 
     q_ref: the whole `[B, Hq, Lq, D]`; k_ref: the whole `[B, Hkv, Lk, D]`, or the whole
     paged cache with `table_ref` (that sequence's block table); scalars_ref: int32 `[3]`,
@@ -52,7 +54,7 @@ class RowTile:
         if head_offset:  # only then: an offset known at run time costs every load some
             head = head + scalars_ref[2]  # address arithmetic (more instructions in SASS)
         kv_head = jax.lax.div(head, jnp.int32(geom.group))  # GQA: no copy of k per head
-        q_bound = None if row_extent * s <= geom.q_len else geom.q_len
+        q_bound = None if geom.query_tokens_end(row_extent) <= geom.q_len else geom.q_len
         self.load_queries = functools.partial(load_tokens, q_ref, length=q_bound,
                                               head_dim=geom.head_dim, lead=(batch, head))
         # read here, before any loop (see `load_tokens`)
@@ -69,8 +71,13 @@ class RowTile:
         unmasked = whole_groups and plan.keys_fit
         self._load_keys = functools.partial(key_loader, length=None if unmasked else k_len)
         if causal:
+            # the column at each row's query position (the row itself but for sampled
+            # rows), whose diagonal is row_offset on
+            self._row_positions = geom.query_position(self.row_ids)
+            self._first_position = geom.query_position(self.row0)
             last_row = jnp.minimum(self.row0 + rows, geom.q_rows) - 1
-            last_col = jnp.minimum(last_row + geom.row_offset, self.k_cols - 1)
+            last_col = jnp.minimum(geom.query_position(last_row) + geom.row_offset,
+                                   self.k_cols - 1)
             visible = last_col // cols + 1
         else:
             visible = (self.k_cols + cols - 1) // cols
@@ -125,13 +132,14 @@ class RowTile:
         # diagonal, pay for the mask (the epilogue is on the critical path).
         partial = last_col >= self.k_cols
         if self.causal:
-            partial = partial | (last_col > self.row0 + self.geom.row_offset)
+            partial = partial | (last_col > self._first_position + self.geom.row_offset)
 
         def masked(a):
             col_ids = col_tile * cols + jnp.arange(cols)
             seen = (col_ids < self.k_cols)[None, :]
             if self.causal:
-                seen = seen & (col_ids[None, :] <= self.row_ids[:, None] + self.geom.row_offset)
+                seen = seen & (col_ids[None, :]
+                               <= self._row_positions[:, None] + self.geom.row_offset)
             return jnp.where(seen, a, -jnp.inf)
 
         return jax.lax.cond(partial, masked, lambda a: a, a)

@@ -7,9 +7,10 @@ sees twice:
    softmax in base 2: A' = A * log2(e), the factor folded into the score scale);
 2. block sums: 2^(A' - m) / l per element, summed over `fine x fine` squares and stored.
 
-`fine` = gcd(block_rows, block_q, block_k) (`Plan.fine`) is the internal block: block
-sums at `block_size` are sums of (block_rows / fine)^2 fine blocks (docs/estimate.md
-section 3, hierarchical sums), so the work per element is the same for every block size.
+`fine` = gcd(block_rows, block_cols, block_q, block_k) (`Plan.fine`) is the internal
+block: block sums at `block_size` are sums of (block_rows / fine) x (block_cols / fine)
+fine blocks (docs/estimate.md section 3, hierarchical sums), so the work per element is
+the same for every block size.
 Causal programs stop at their last visible key tile and write zeros beyond it. It
 computes every score twice, but needs no memory beyond its output: the fallback of
 `one_pass` when that one's scratch is too big.
@@ -36,8 +37,8 @@ def _two_pass_kernel(q_ref, k_ref, *refs, plan: Plan, causal: bool, norm: float,
     tile = RowTile(q_ref, k_ref, table_ref, scalars_ref, plan=plan, causal=causal,
                    norm=norm, row_extent=row_extent, whole_groups=whole_groups)
     geom, rows, cols, fine = plan.geom, plan.block_q, plan.block_k, plan.fine
-    per_block = geom.block_rows // fine
-    out_rows, out_cols = geom.q_blocks * per_block, geom.k_blocks * per_block
+    out_rows = geom.q_blocks * (geom.block_rows // fine)
+    out_cols = geom.k_blocks * (geom.block_cols // fine)
     visible_tiles = tile.visible_tiles
 
     def row_stats(col_tile, carry):
@@ -81,9 +82,9 @@ def two_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
                         block_table) -> jax.Array:
     """Block sums `[B, Hq, qb, kb]` (arguments as `block_sums.block_sums`)."""
     geom, fine = plan.geom, plan.fine
-    per_block = geom.block_rows // fine
-    out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_block,
-                 geom.k_blocks * per_block)
+    per_row_block, per_col_block = geom.block_rows // fine, geom.block_cols // fine
+    out_shape = (geom.batch, geom.q_heads, geom.q_blocks * per_row_block,
+                 geom.k_blocks * per_col_block)
     in_specs, operands = key_operands(q, k, key_len, block_table, plan)
     row_tiles = pl.cdiv(out_shape[2] * fine, plan.block_q)
     kernel = functools.partial(_two_pass_kernel, plan=plan, causal=causal, norm=norm,
@@ -100,7 +101,8 @@ def two_pass_block_sums(q, k, *, plan: Plan, causal: bool, norm: float, key_len,
                                              num_stages=plan.num_stages),
         interpret=plan.interpret,
     )(*operands)
-    if per_block == 1:
+    if per_row_block == per_col_block == 1:
         return sums
     b, h = sums.shape[:2]
-    return sums.reshape(b, h, geom.q_blocks, per_block, geom.k_blocks, per_block).sum((3, 5))
+    return sums.reshape(b, h, geom.q_blocks, per_row_block, geom.k_blocks,
+                        per_col_block).sum((3, 5))
