@@ -56,6 +56,11 @@ class RaggedGeometry:
         sequences of T queries together span at most T // block_size + 2 S."""
         return self.tokens // self.block_size + 2 * self.seqs
 
+    def query_position(self, rows):
+        """The query group of each reshaped row (`triton.common.step_product`): the
+        row itself, rows being groups at their absolute key positions."""
+        return rows
+
     def local(self, q, k) -> RaggedGeometry:
         """This geometry with the heads of q `[T, Hq, D]` and the cache k at hand (one
         shard's, under partitioning; a fused cache's head axis holds 2 Hkv)."""
