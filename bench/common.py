@@ -201,7 +201,7 @@ def report(records: list[dict]) -> str:
                 f"{ratio:.2f} | {r['extra_mib']:.1f} |")
         if same_run:
             line += (f" {r['matmul_tflops']:.0f} | {r['ms'] / r['same_run_floor_ms']:.2f} |"
-                     if "same_run_floor_ms" in r else " | |")
+                     if r.get("same_run_floor_ms") else " | |")
         lines.append(line)
     return head + "\n\n" + "\n".join(lines) + "\n"
 

@@ -12,6 +12,14 @@ supplies the two, for its duration only:
 - the interpreter's wgmma rule accepts an array left operand: acc += a @ b, with b and acc
   read from the simulated memory.
 
+The ragged kernel (`xattn_jax.mosaic.attention.ragged_kernel`) needs two more: its
+copies from shared to global memory take a predicate, which the interpreter refuses, and
+its unoptimized store into a staging buffer is Mosaic GPU's own code on jax 0.11
+(`inline_mgpu`, which the interpreter does not run). Within:
+- a predicated copy runs the interpreter's copy under `lax.cond` on its predicate;
+- `ragged_kernel.store_plain` is an ordinary store into the buffer (the layouts it
+  exists for do not matter to the interpreter).
+
 The forced GPU interpret mode applies to every `pallas_call` traced within, the
 Triton-backend statistics epilogue (`xattn_jax.mosaic.estimate.stats_epilogue`) included,
 whose blocked windows the Mosaic GPU interpreter refuses (jax 0.12); within, that kernel
@@ -52,6 +60,7 @@ def unsupported_reason() -> str | None:
     except Exception as error:  # no Mosaic GPU interpret mode in this jax
         return f"no Mosaic GPU interpret mode: {error!r}"
     needed = [(jaxpr_interpret.JaxprInterpreter, "_interpret_wgmma_ref_p"),
+              (jaxpr_interpret.JaxprInterpreter, "_interpret_copy_smem_to_gmem_p"),
               (jaxpr_interpret, "resolve_ref"), (gpu_callbacks, "_get_shared_memory"),
               (gpu_callbacks, "TOKEN_SHAPE_DTYPE"), (plgpu, "force_gpu_interpret_mode")]
     missing = [name for owner, name in needed if not hasattr(owner, name)]
@@ -120,6 +129,30 @@ def _wgmma_rule(original):
     return rule
 
 
+def _predicated_copy_rule(original):
+    """The interpreter's copy from shared to global memory, done iff its predicate."""
+    from jax import lax
+
+    def rule(self, eqn, token, src, dst, *flat_args, has_user_predicate, **params):
+        if not has_user_predicate:
+            return original(self, eqn, token, src, dst, *flat_args,
+                            has_user_predicate=False, **params)
+        *flat_args, predicate = flat_args
+
+        def copy(token):
+            return original(self, eqn, token, src, dst, *flat_args,
+                            has_user_predicate=False, **params)[0]
+
+        return lax.cond(predicate, copy, lambda token: token, token), []
+
+    return rule
+
+
+def _store_plain(stage, rows) -> None:
+    """`ragged_kernel.store_plain` as the interpreter runs it: an ordinary store."""
+    stage[...] = rows
+
+
 def _epilogue_interpreted(original, plgpu):
     """`epilogue.stats_block_sums` traced outside the forced GPU interpret mode, with
     Pallas' own interpret mode."""
@@ -157,21 +190,25 @@ class _PallasWithScopedRunState:
 
 @contextlib.contextmanager
 def interpret_kernel(detect_races: bool = True):
-    """Within: calls of `xattn_jax.mosaic.attention.kernel` run in GPU interpret mode on CPU, the
-    statistics epilogue's kernel in Pallas' interpret mode. Yields
-    a function returning whether the race detector found a race. Clears jax's caches on
-    exit so that no interpreted trace is reused outside."""
+    """Within: calls of `xattn_jax.mosaic.attention.kernel` and `ragged_kernel` run in GPU
+    interpret mode on CPU, the statistics epilogue's kernel in Pallas' interpret mode.
+    Yields a function returning whether the race detector found a race. Clears jax's
+    caches on exit so that no interpreted trace is reused outside."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from xattn_jax.mosaic.attention import kernel
+    from xattn_jax.mosaic.attention import kernel, ragged_kernel
     from xattn_jax.mosaic.estimate import stats_epilogue as epilogue
 
     interpreter = jaxpr_interpret.JaxprInterpreter
     original_rule = interpreter._interpret_wgmma_ref_p
     interpreter._interpret_wgmma_ref_p = _wgmma_rule(original_rule)
+    original_copy = interpreter._interpret_copy_smem_to_gmem_p
+    interpreter._interpret_copy_smem_to_gmem_p = _predicated_copy_rule(original_copy)
     kernel.pl = _PallasWithScopedRunState(pl, plgpu)
+    store_plain = ragged_kernel.store_plain
+    ragged_kernel.store_plain = _store_plain
     stats_block_sums = epilogue.stats_block_sums
     epilogue.stats_block_sums = _epilogue_interpreted(stats_block_sums, plgpu)
     jax.clear_caches()
@@ -181,6 +218,8 @@ def interpret_kernel(detect_races: bool = True):
             yield lambda: bool(gpu_callbacks.get_races().races_found)
     finally:
         kernel.pl = pl
+        ragged_kernel.store_plain = store_plain
         epilogue.stats_block_sums = stats_block_sums
         interpreter._interpret_wgmma_ref_p = original_rule
+        interpreter._interpret_copy_smem_to_gmem_p = original_copy
         jax.clear_caches()

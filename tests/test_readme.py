@@ -64,7 +64,9 @@ def test_the_readme_has_its_code_blocks():
     headings = [heading for heading, _ in BLOCKS]
     assert headings == ["Use from JAX", "Use from PyTorch",
                         "Serving: a paged KV cache, page selection, attention on the "
-                        "selected pages", "Use in a transformers model"]
+                        "selected pages", "In a serving engine: one call per step",
+                        "In a serving engine: one call per step",
+                        "Use in a transformers model"]
 
 
 @pytest.mark.parametrize("heading, code", BLOCKS, ids=[h for h, _ in BLOCKS])

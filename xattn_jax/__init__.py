@@ -8,6 +8,8 @@ text; it warns with `DensityNotReachedWarning` where its target cannot be reache
 `sampled_block_mass` (block scores from the exact attention of sampled query rows, which
 `xattention(estimate="sampled-rows")` selects on); `xattn_jax.reference` is the plain-JAX
 source of truth.
+`ragged_xattention` runs XAttention for a whole serving step: many sequences' chunks and
+decode rows packed in one call over one paged cache (`xattn_jax.ragged`).
 `checked(fn)` runs `fn` with the values that are data (traced thresholds, key counts,
 block tables) checked too. `quantize_keys` makes `Fp8Keys`, keys in fp8 that the
 estimate's functions take in place of k (`xattn_jax.fp8`). `__version__`: the
@@ -21,6 +23,7 @@ from xattn_jax.checks import checked
 from xattn_jax.fp8 import Fp8Keys, quantize_keys
 from xattn_jax.geometry import Geometry
 from xattn_jax.kv_blocks import kv_block_scores, select_kv_blocks
+from xattn_jax.ragged import RaggedMask, ragged_xattention
 from xattn_jax.sampled_rows import sampled_block_mass
 
 
@@ -43,7 +46,7 @@ def _version() -> str:
 
 __version__ = _version()
 
-__all__ = ["DensityNotReachedWarning", "Fp8Keys", "Geometry", "block_sparse_attention",
-           "calibrate", "checked", "kv_block_scores", "quantize_keys", "sampled_block_mass",
-           "select_blocks", "select_kv_blocks", "strided_scores", "xattention",
-           "xattn_estimate"]
+__all__ = ["DensityNotReachedWarning", "Fp8Keys", "Geometry", "RaggedMask",
+           "block_sparse_attention", "calibrate", "checked", "kv_block_scores",
+           "quantize_keys", "ragged_xattention", "sampled_block_mass", "select_blocks",
+           "select_kv_blocks", "strided_scores", "xattention", "xattn_estimate"]

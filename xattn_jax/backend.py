@@ -17,7 +17,7 @@ from xattn_jax.geometry import Geometry
 from xattn_jax.sampled_geometry import SampledGeometry
 
 OPS = ("strided_scores", "block_sums", "select_blocks", "block_sparse_attention",
-       "sampled_block_mass")
+       "sampled_block_mass", "ragged_block_sums", "ragged_attention")
 
 
 class AttentionCall(NamedTuple):
@@ -56,6 +56,12 @@ class Backend:
         del call
         return self
 
+    def ragged_unsupported(self, op: str, geom, dtype) -> str | None:
+        """Why this backend's `op` (ragged_block_sums or ragged_attention) cannot run a
+        step of `geom` (a `ragged.geometry.RaggedGeometry`) in `dtype`, or None."""
+        del op, geom, dtype
+        return None
+
     def has(self, op: str) -> bool:
         """Whether this backend runs `op` (one of OPS)."""
         return getattr(type(self), op) is not getattr(Backend, op)
@@ -92,9 +98,11 @@ class Backend:
         raise self.not_supported("block_sums")
 
     def select_blocks(self, sums: jax.Array, threshold: jax.Array, *, causal: bool,
-                      keep_sink: bool, keep_recent: bool) -> jax.Array:
+                      keep_sink: bool, keep_recent: bool,
+                      diagonal: jax.Array | None = None) -> jax.Array:
         """Section 4's threshold rule: float32 sums `[B, Hq, qb, kb]`, threshold float32
-        `[Hq]` -> bool mask `[B, Hq, qb, kb]`."""
+        `[Hq]` -> bool mask `[B, Hq, qb, kb]`. diagonal: int32 `[qb]`, each row's diagonal
+        block where it is not i + kb - qb (a ragged step's rows)."""
         raise self.not_supported("select_blocks")
 
     def block_sparse_attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -104,3 +112,20 @@ class Backend:
         """Section 6 (the arguments of `reference.block_sparse_attention`): out
         `[B, Hq, Lq, Dv]` in q's dtype, and with return_lse float32 lse `[B, Hq, Lq]`."""
         raise self.not_supported("block_sparse_attention")
+
+    def ragged_block_sums(self, q: jax.Array, k: jax.Array, page_indices: jax.Array,
+                          blocks, geom, *, norm: float) -> jax.Array:
+        """Sections 1-3 of a ragged step (docs/estimate.md, "Ragged steps"): q `[T, Hq,
+        D]`, k a paged cache `[num_pages, page_size, Hkv, D]` or a fused one viewed
+        `[num_pages, page_size, Hkv, 2, D]`, page_indices int32 `[S, pages_per_seq]`,
+        blocks a `ragged.layout.RaggedBlocks`, geom a `ragged.geometry.RaggedGeometry` ->
+        float32 `[Hq, QB, KB]`, valid in the rows of estimated sequences."""
+        raise self.not_supported("ragged_block_sums")
+
+    def ragged_attention(self, q: jax.Array, k: jax.Array, v: jax.Array | None,
+                         page_indices: jax.Array, mask: jax.Array, blocks, geom, *,
+                         scale: float) -> jax.Array:
+        """Section 6 of a ragged step: q `[T, Hq, D]`, k and v paged caches (or v None and
+        k a fused cache's view, as in `ragged_block_sums`), mask bool `[Hq, QB, KB]` ->
+        `[T, Hq, Dv]` in q's dtype, zero in rows of no live sequence."""
+        raise self.not_supported("ragged_attention")

@@ -7,7 +7,7 @@
 in the same jitted computation as the estimate) and runs its usual kernel on the result
 (docs/estimate.md, "Keys in fp8", says what a kernel multiplying fp8 values would trade).
 
-The scheme (bench/results/fp8_schemes.md; docs/tuning.md: fp8-key-mean): the keys
+The scheme (bench/results/cpu_checks.md; docs/tuning.md: fp8-key-mean): the keys
 of one KV head are cut into groups of `group` consecutive tokens. Each group's mean key
 (per channel, over its tokens in use) is removed and kept as its offset; the rest is
 divided by the group's scale and rounded to float8_e4m3fn (to nearest even, saturated at

@@ -36,6 +36,8 @@ from xattn_jax.triton.backend import TritonBackend
 # the ops a call resolves one backend for: the estimate's, and the attention's
 ESTIMATE = ("strided_scores", "block_sums", "select_blocks", "sampled_block_mass")
 ATTENTION = ("block_sparse_attention",)
+RAGGED_ESTIMATE = ("ragged_block_sums", "select_blocks")  # a ragged step's two stages
+RAGGED_ATTENTION = ("ragged_attention",)
 
 
 def _mosaic(device: jax.Device | None, auto: bool) -> MosaicBackend:
@@ -104,6 +106,48 @@ def resolve_xattention(impl: str | Backend | XAttentionBackends, *arrays,
     attention = resolve(impl, *arrays, ops=ATTENTION, device=device)
     estimate = "reference" if impl == "reference" else "auto"
     return XAttentionBackends(attention, resolve(estimate, *arrays, device=device))
+
+
+class RaggedBackends(NamedTuple):
+    """`ragged_xattention`'s backends: its estimate's and its attention's. fallback (as
+    "auto" resolves): a stage whose kernel does not take a step runs on the reference
+    (`for_step`)."""
+
+    estimate: Backend
+    attention: Backend
+    fallback: bool
+
+    def for_step(self, geom, dtype) -> RaggedBackends:
+        """The backends that run a step of `geom` (a `ragged.geometry.RaggedGeometry`)
+        in `dtype`: a stage whose kernel does not take it moves to the reference with
+        `fallback`, else raises a ValueError saying why."""
+        stages = []
+        for backend, op in ((self.estimate, "ragged_block_sums"),
+                            (self.attention, "ragged_attention")):
+            reason = backend.ragged_unsupported(op, geom, dtype)
+            if reason is not None and not self.fallback:
+                raise ValueError(f"{reason}; impl='reference' or 'auto' take this step")
+            stages.append(backend if reason is None else BACKENDS["reference"](None, True))
+        return RaggedBackends(*stages, self.fallback)
+
+
+def resolve_ragged(impl: str | RaggedBackends, *arrays,
+                   device: jax.Device | None = None) -> RaggedBackends:
+    """`ragged_xattention`'s backends for `impl` (as `resolve`): "auto" the best for the
+    device per stage; a name, that backend for each stage it has a kernel for and the
+    reference for the other (the Triton backend has no attention). A triple from an
+    earlier call is returned as it is."""
+    if isinstance(impl, RaggedBackends):
+        return impl
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    device = device or device_of(*arrays)
+
+    def stage(ops: tuple[str, ...]) -> Backend:
+        named = impl == "auto" or _has(BACKENDS[impl](device, False), ops)
+        return resolve(impl if named else "reference", ops=ops, device=device)
+
+    return RaggedBackends(stage(RAGGED_ESTIMATE), stage(RAGGED_ATTENTION), impl == "auto")
 
 
 def _resolve_name(impl: str, ops: tuple[str, ...], device: jax.Device | None) -> Backend:

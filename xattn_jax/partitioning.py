@@ -49,39 +49,43 @@ import math
 from typing import Callable, Sequence
 
 import jax
-from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
-                                                  custom_partitioning)
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor,
+                                                  SdyShardingRule, custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xattn_jax.forward_only import forward_only
 
 BATCH, Q_HEADS, KV_HEADS, OTHER, REST = "B", "H", "K", ".", "..."
+FUSED_KV = "F"  # a fused cache's head axis: 2 Hkv entries, K and V of each KV head
 RESULT_LAYOUT = "B H ..."
 # Shardy factor names of the axes that shard; every other axis gets its own factor that
 # needs replication
 _FACTORS = {BATCH: "b", Q_HEADS: "hq", KV_HEADS: "hk"}
+_PAIR_FACTOR = "kv_pair"  # the K/V pair inside a fused axis: never split
 
 
 def on_shards(core: Callable, layouts: Sequence[str], *, name: str, geom=None,
-              **static) -> Callable:
+              results: str | Sequence[str] = RESULT_LAYOUT, **static) -> Callable:
     """`core` with partitioning rules: returns `fn(*operands)` = `core(*operands, **static)`,
     forward only (`xattn_jax.forward_only`).
 
-    core: a function of arrays (None allowed, passed through) and keyword arguments;
-      every result `[B, Hq, ...]`.
+    core: a function of arrays (None allowed, passed through) and keyword arguments.
     layouts: one layout string per operand (module docstring).
+    results: the layout of every result (default `[B, Hq, ...]`), or one per result in
+      the order `jax.tree.flatten` gives them.
     name: the public function that runs core, named by the error a derivative raises.
     geom: a `Geometry` passed to core as `geom=`; on each shard, its batch and head counts
       become the shard's.
     static: the core's other keyword arguments (hashable: flags, sizes), closed over.
     Operands are data (a threshold, a key count): new values do not recompile.
     """
-    return functools.partial(_run, core, tuple(layouts), geom, tuple(sorted(static.items())),
-                             name)
+    results = results if isinstance(results, str) else tuple(results)
+    return functools.partial(_run, core, tuple(layouts), results, geom,
+                             tuple(sorted(static.items())), name)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _run(core, layouts, geom, static_items, name, *operands):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _run(core, layouts, result_layouts, geom, static_items, name, *operands):
     """core(*operands) as a custom_partitioning call (None operands stay out of it), in a
     custom_vmap whose batching rule vmaps the core itself, forward only."""
     if len(operands) != len(layouts):
@@ -103,7 +107,11 @@ def _run(core, layouts, geom, static_items, name, *operands):
         return forward_only(lambda *xs: call(xs, geom), name)(*arrays)
     results, result_tree = jax.tree.flatten(jax.eval_shape(lambda *xs: call(xs, geom),
                                                           *arrays))
-    result_names = [_axis_names(RESULT_LAYOUT, r.ndim) for r in results]
+    if isinstance(result_layouts, str):
+        result_layouts = (result_layouts,) * len(results)
+    if len(result_layouts) != len(results):
+        raise ValueError(f"{len(result_layouts)} result layouts for {len(results)} results")
+    result_names = [_axis_names(layout, r.ndim) for layout, r in zip(result_layouts, results)]
     sizes = _factor_sizes(arrays + results, names + result_names)
     plan = functools.partial(_plan, names=names, sizes=sizes)
 
@@ -126,7 +134,7 @@ def _run(core, layouts, geom, static_items, name, *operands):
 
     partitioned = custom_partitioning(lambda *xs: call(xs, geom))
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                              sharding_rule=_sdy_rule(names, result_names))
+                              sharding_rule=_sdy_rule(names, result_names, sizes))
     batchable = jax.custom_batching.custom_vmap(partitioned)
 
     @batchable.def_vmap
@@ -144,7 +152,8 @@ def _axis_names(layout: str, rank: int) -> tuple[str, ...]:
     names = layout.split()
     if names[-1:] == [REST]:
         names = names[:-1] + [OTHER] * (rank - len(names) + 1)
-    if len(names) != rank or any(n not in (BATCH, Q_HEADS, KV_HEADS, OTHER) for n in names):
+    if len(names) != rank or any(n not in (BATCH, Q_HEADS, KV_HEADS, FUSED_KV, OTHER)
+                                 for n in names):
         raise ValueError(f"layout {layout!r} does not describe an array of rank {rank}")
     return tuple(names)
 
@@ -154,20 +163,28 @@ def _factor_sizes(arrays, names) -> dict[str, int]:
     sizes = {}
     for x, axis_names in zip(arrays, names):
         for size, name in zip(x.shape, axis_names):
+            if name == FUSED_KV:  # pairs of entries per KV head
+                name, size = KV_HEADS, size // 2
             if name != OTHER and sizes.setdefault(name, size) != size:
                 raise ValueError(f"operands and results disagree on the size of axis "
                                  f"{name}: {sizes[name]} and {size}")
     return sizes
 
 
-def _sdy_rule(names, result_names) -> SdyShardingRule:
-    """Shardy's rule: batch and heads pass through, every other axis is replicated."""
+def _sdy_rule(names, result_names, sizes) -> SdyShardingRule:
+    """Shardy's rule: batch and heads pass through, every other axis is replicated. A
+    fused KV axis is the compound of the KV heads and their K/V pair; where the KV heads
+    appear only there, their size (`sizes`) is given."""
     replicated = []
+    pairs = {}
 
     def mapping(axis_names):
         factors = []
         for name in axis_names:
-            if name == OTHER:
+            if name == FUSED_KV:
+                factors.append(CompoundFactor(_FACTORS[KV_HEADS], _PAIR_FACTOR))
+                pairs[_PAIR_FACTOR] = 2
+            elif name == OTHER:
                 replicated.append(f"r{len(replicated)}")
                 factors.append(replicated[-1])
             else:
@@ -176,7 +193,11 @@ def _sdy_rule(names, result_names) -> SdyShardingRule:
 
     operands = tuple(mapping(n) for n in names)
     results = tuple(mapping(n) for n in result_names)
-    return SdyShardingRule(operands, results, need_replication_factors=tuple(replicated))
+    every = [n for axis_names in (*names, *result_names) for n in axis_names]
+    if pairs and KV_HEADS not in every:
+        pairs[_FACTORS[KV_HEADS]] = sizes[KV_HEADS]
+    return SdyShardingRule(operands, results, need_replication_factors=tuple(replicated),
+                           **pairs)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -192,6 +213,7 @@ def _first_sharded(arg_shapes, names, wanted: set[str], taken=()) -> tuple[str, 
         spec = tuple(shape.sharding.spec) if shape.sharding is not None else ()
         for name, entry in zip(axis_names, spec):
             axes = tuple(a for a in _mesh_axes(entry) if a not in taken)
+            name = KV_HEADS if name == FUSED_KV else name
             if name in wanted and axes:
                 return axes
     return ()
@@ -209,18 +231,22 @@ class _Split:
 
     def sharding(self, mesh, axis_names) -> NamedSharding:
         def entry(name):
-            axes = {BATCH: self.batch, Q_HEADS: self.heads,
-                    KV_HEADS: () if self.inside_groups else self.heads}.get(name, ())
+            kv_axes = () if self.inside_groups else self.heads
+            axes = {BATCH: self.batch, Q_HEADS: self.heads, KV_HEADS: kv_axes,
+                    FUSED_KV: kv_axes}.get(name, ())
             return None if not axes else axes[0] if len(axes) == 1 else axes
         return NamedSharding(mesh, PartitionSpec(*map(entry, axis_names)))
 
     def own_kv_head(self, x, axis_names, sizes):
         """The one KV head this shard's query heads read, out of a whole KV operand."""
-        if KV_HEADS not in axis_names:
+        width = 2 if FUSED_KV in axis_names else 1
+        axis = KV_HEADS if width == 1 else FUSED_KV
+        if axis not in axis_names:
             return x
         shards_per_kv_head = self.head_shards // sizes[KV_HEADS]
         kv_head = jax.lax.axis_index(self.heads) // shards_per_kv_head
-        return jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis_names.index(KV_HEADS))
+        return jax.lax.dynamic_slice_in_dim(x, kv_head * width, width,
+                                            axis_names.index(axis))
 
     def local_geometry(self, geom):
         """`geom` with the batch and head counts of one shard."""

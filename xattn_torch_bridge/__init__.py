@@ -9,6 +9,9 @@ Public API:
 - `block_sparse_attention(q, k, v, mask, **kwargs)` and `xattention(q, k, v, **kwargs)`:
   `xattn_jax`'s attention on a block mask and XAttention end to end, on torch tensors
   (`xattn_torch_bridge.attention`).
+- `ragged_xattention(q, k, v, cu_seqlens_q=..., seqused_k=..., block_table=..., ...)`:
+  XAttention for a whole serving step (packed chunks and decode rows over a paged cache)
+  in the terms of vLLM's varlen call (`xattn_torch_bridge.ragged`).
 - `PagedKVCache`: a paged KV cache of one layer (any page size, CPU offload, staging and
   a persistent device block table); `XAttentionPolicy`: the chunked-prefill selection of
   its pages in one jitted computation (`xattn_torch_bridge.policy`).
@@ -85,9 +88,11 @@ from xattn_torch_bridge.dlpack import cuda_available, to_jax, to_torch  # noqa: 
 from xattn_torch_bridge.estimate import xattn_estimate  # noqa: E402
 from xattn_torch_bridge.kv_cache import PagedKVCache  # noqa: E402
 from xattn_torch_bridge.policy import XAttentionPolicy  # noqa: E402
+from xattn_torch_bridge.ragged import ragged_xattention  # noqa: E402
 
 __all__ = ["PagedKVCache", "XAttentionPolicy", "block_sparse_attention", "cuda_available",
-           "reference", "to_jax", "to_torch", "xattention", "xattn_estimate"]
+           "ragged_xattention", "reference", "to_jax", "to_torch", "xattention",
+           "xattn_estimate"]
 
 
 def __dir__() -> list[str]:

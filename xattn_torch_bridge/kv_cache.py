@@ -364,6 +364,45 @@ class PagedKVCache:
         pages, event = self._stage(ids, offloaded)
         return self._table("keys", width, pages, tokens, event)
 
+    def step_args(self, seqs) -> dict:
+        """The keyword arguments of `ragged_xattention` for one step over these sequences:
+        `cu_seqlens_q`, `max_seqlen_q`, `seqused_k`, `max_seqlen_k` and `block_table`
+        (int32 tensors on the cache's device, the page table of device slots).
+
+        seqs: `(block_ids, q_len)` per request, in the order of the step's queries:
+        the sequence's blocks (in order, all full but the last, all resident: `load`
+        offloaded ones first) and how many of its last tokens are this step's queries
+        (the chunk's keys appended already; 1 for a decode row). The table's width is
+        the most blocks of a request; entries past a request's blocks repeat its first.
+        """
+        if not isinstance(seqs, (list, tuple)) or not seqs:
+            raise ValueError(f"seqs must be a non-empty list of (block_ids, q_len), got "
+                             f"{seqs!r}")
+        pages, q_lens, kv_lens = [], [], []
+        for i, item in enumerate(seqs):
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ValueError(f"seqs[{i}] must be (block_ids, q_len), got {item!r}")
+            ids = self._check_ids(item[0], f"seqs[{i}] block_ids")
+            tokens = self._check_sequence(ids)
+            self._require(ids, True, f"seqs[{i}] block_ids")
+            q_len = check_int(f"seqs[{i}] q_len", item[1], 0)
+            if q_len > tokens:
+                raise ValueError(f"seqs[{i}] q_len must be at most the sequence's {tokens} "
+                                 f"tokens (its queries are its last tokens), got {q_len}")
+            pages.append(self._slot[ids])
+            q_lens.append(q_len)
+            kv_lens.append(tokens)
+        width = max(len(p) for p in pages)
+        table = np.stack([np.pad(p, (0, width - len(p)), mode="edge") for p in pages])
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+
+        def tensor(x):
+            return torch.as_tensor(np.asarray(x, np.int32)).to(self.device, non_blocking=True)
+
+        return dict(cu_seqlens_q=tensor(cu), max_seqlen_q=max(q_lens),
+                    seqused_k=tensor(kv_lens), max_seqlen_k=max(kv_lens),
+                    block_table=tensor(table))
+
     def shadow_table(self, block_ids, width: int) -> torch.Tensor:
         """A sequence's block table of its shadow pages: int32 `[width + 1]` on the device.
 

@@ -1,5 +1,6 @@
 """Pallas Mosaic GPU kernels for Hopper (sm_90): block-sparse attention on the estimate's
-mask (`xattn_jax.mosaic.attention`) and the estimate's fused block sums
+mask (`xattn_jax.mosaic.attention`; a ragged serving step's in
+`xattn_jax.mosaic.attention.ragged_attention`) and the estimate's fused block sums
 (`xattn_jax.mosaic.estimate`), run by the Mosaic backend (`backend`: impl="mosaic", and
 "auto" on Hopper).
 
@@ -21,7 +22,7 @@ _MOSAIC_API = ("kernel", "CompilerParams", "SMEM", "Barrier", "ACC", "Layout",
                "TilingTransform", "SwizzleTransform", "copy_gmem_to_smem",
                "copy_smem_to_gmem", "wait_smem_to_gmem", "commit_smem", "barrier_arrive",
                "barrier_wait", "wgmma", "wgmma_wait", "layout_cast", "broadcasted_iota",
-               "set_max_registers")
+               "set_max_registers", "load", "inline_mgpu", "RefType")
 
 
 def _device_reason(device) -> str | None:

@@ -1,5 +1,6 @@
 """The Mosaic backend: Pallas kernels on the Mosaic GPU backend for NVIDIA Hopper GPUs
-(H100, H200): block-sparse attention, and the estimate's fused block sums (sections 1-3,
+(H100, H200): block-sparse attention (of a whole call, and of a ragged step), and the
+estimate's fused block sums (sections 1-3,
 and so the chunk scores of section 5: a count of keys in use, paged caches with pages of
 a multiple of 64 x stride tokens). Its companion backend runs the estimate's other ops.
 
@@ -17,6 +18,7 @@ from xattn_jax.backend import AttentionCall, Backend
 from xattn_jax.geometry import Geometry
 from xattn_jax import mosaic
 from xattn_jax.mosaic.attention import plan as attention_plan
+from xattn_jax.mosaic.attention import ragged_plan
 from xattn_jax.mosaic.estimate import heuristics
 from xattn_jax.mosaic.estimate import plan as estimate_plan
 from xattn_jax.reference.backend import ReferenceBackend
@@ -81,9 +83,23 @@ class MosaicBackend(Backend):
                                                  max_scratch_bytes=max_scratch_bytes)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
-                      keep_recent: bool) -> jax.Array:
+                      keep_recent: bool, diagonal=None) -> jax.Array:
         return self.companion.select_blocks(sums, threshold, causal=causal,
-                                            keep_sink=keep_sink, keep_recent=keep_recent)
+                                            keep_sink=keep_sink, keep_recent=keep_recent,
+                                            diagonal=diagonal)
+
+    def ragged_unsupported(self, op: str, geom, dtype) -> str | None:
+        if op == "ragged_attention":
+            return ragged_plan.unsupported_reason(geom, dtype)
+        return self.companion.ragged_unsupported(op, geom, dtype)
+
+    def ragged_attention(self, q, k, v, page_indices, mask, blocks, geom, *, scale: float):
+        from xattn_jax.mosaic.attention import ragged_attention  # the kernel's call
+        return ragged_attention.ragged_attention(q, k, v, page_indices, mask, blocks, geom,
+                                                 scale=scale)
+
+    def ragged_block_sums(self, q, k, page_indices, blocks, geom, *, norm: float):
+        return self.companion.ragged_block_sums(q, k, page_indices, blocks, geom, norm=norm)
 
     def block_sparse_attention(self, q, k, v, mask, **kwargs):
         page_size = None if kwargs.get("block_table") is None else k.shape[1]

@@ -8,7 +8,7 @@ import jax
 
 from xattn_jax.backend import Backend
 from xattn_jax.geometry import Geometry
-from xattn_jax.reference import attention, estimate
+from xattn_jax.reference import attention, estimate, ragged
 from xattn_jax.reference.paged import gather_pages
 from xattn_jax.reference.sampled_rows import block_mass as sampled_block_mass
 from xattn_jax.sampled_geometry import SampledGeometry
@@ -40,9 +40,18 @@ class ReferenceBackend(Backend):
         return estimate.block_sums(q, keys, geom, causal=causal, norm=norm, key_len=key_len)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
-                      keep_recent: bool) -> jax.Array:
+                      keep_recent: bool, diagonal=None) -> jax.Array:
         return estimate.select_blocks(sums, threshold, causal=causal, keep_sink=keep_sink,
-                                      keep_recent=keep_recent)
+                                      keep_recent=keep_recent, diagonal=diagonal)
 
     def block_sparse_attention(self, q, k, v, mask, **kwargs):
         return attention.block_sparse_attention(q, k, v, mask, **kwargs)
+
+    def ragged_block_sums(self, q, k, page_indices, blocks, geom, *, norm: float):
+        keys, _ = ragged.split_cache(k, None if geom.fused else k)
+        return ragged.block_sums(q, keys, page_indices, blocks, geom, norm=norm)
+
+    def ragged_attention(self, q, k, v, page_indices, mask, blocks, geom, *, scale: float):
+        keys, values = ragged.split_cache(k, v)
+        return ragged.attention(q, keys, values, page_indices, mask, blocks, geom,
+                                scale=scale)

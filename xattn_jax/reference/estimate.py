@@ -42,25 +42,33 @@ def strided_scores(q: jax.Array, k: jax.Array, geom: Geometry, norm: float) -> j
     return a.reshape(b, hq, lq // s, -1) * jnp.float32(geom.scale / norm)
 
 
-def visible(geom: Geometry, causal: bool, key_cols=None) -> jax.Array:
+def visible(geom: Geometry, causal: bool, key_cols=None, row_offset=None) -> jax.Array:
     """Section 2: bool `[q_rows, k_cols]`, which key columns each query row may see.
 
     key_cols: the columns holding real keys (a traced int allowed), default all.
+    row_offset: the key column of query row 0 (a traced int allowed), default
+    `geom.row_offset`: (Lk - Lq) / S.
     """
     i = jnp.arange(geom.q_rows)[:, None]
     j = jnp.arange(geom.k_cols)[None, :]
     seen = j < (geom.k_cols if key_cols is None else key_cols)
-    return seen & (j <= i + geom.row_offset) if causal else seen
+    offset = geom.row_offset if row_offset is None else row_offset
+    return seen & (j <= i + offset) if causal else seen
 
 
 def softmax_block_sums(scores: jax.Array, geom: Geometry, causal: bool,
-                       key_cols=None) -> jax.Array:
+                       key_cols=None, row_offset=None, real_rows=None) -> jax.Array:
     """Sections 2-3: row softmax over the visible columns, summed per block.
 
     scores: float32 `[B, Hq, q_rows, k_cols]`. Returns float32
     `[B, Hq, q_blocks, k_blocks]`; each full query block's row sums to block_size / S.
+    key_cols, row_offset: as in `visible`. real_rows: bool `[q_rows]`, the rows holding a
+    query (default all): the others add nothing.
     """
-    p = jax.nn.softmax(jnp.where(visible(geom, causal, key_cols), scores, -jnp.inf), axis=-1)
+    p = jax.nn.softmax(jnp.where(visible(geom, causal, key_cols, row_offset), scores,
+                                 -jnp.inf), axis=-1)
+    if real_rows is not None:
+        p = jnp.where(real_rows[:, None], p, 0.0)
     n = geom.block_rows
     pad_rows = geom.q_blocks * n - geom.q_rows
     pad_cols = geom.k_blocks * n - geom.k_cols
@@ -70,15 +78,18 @@ def softmax_block_sums(scores: jax.Array, geom: Geometry, causal: bool,
 
 
 def forced_and_allowed(q_blocks: int, k_blocks: int, *, causal: bool, keep_sink: bool,
-                       keep_recent: bool) -> tuple[jax.Array, jax.Array]:
+                       keep_recent: bool, diagonal=None) -> tuple[jax.Array, jax.Array]:
     """Section 4's fixed rules, bool `[q_blocks, k_blocks]` each.
 
     forced: always selected (key block 0 and the diagonal block I + kb - qb, in causal mode
     or when asked for). allowed: may be selected at all (causal: not after the diagonal).
+    diagonal: int `[q_blocks]`, each row's diagonal key block where it is not
+    I + kb - qb (the rows of a ragged step, "Ragged steps").
     """
-    i = jnp.arange(q_blocks)[:, None]
     j = jnp.arange(k_blocks)[None, :]
-    diagonal = i + (k_blocks - q_blocks)
+    if diagonal is None:
+        diagonal = jnp.arange(q_blocks) + (k_blocks - q_blocks)
+    diagonal = diagonal[:, None]
     forced = ((j == 0) & (causal or keep_sink)) | ((j == diagonal) & (causal or keep_recent))
     allowed = (j <= diagonal) if causal else jnp.ones_like(forced)
     return forced, allowed
@@ -102,7 +113,8 @@ def take_descending(values: jax.Array, candidate: jax.Array, base: jax.Array,
 
 
 def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
-                  keep_sink: bool = False, keep_recent: bool = False) -> jax.Array:
+                  keep_sink: bool = False, keep_recent: bool = False,
+                  diagonal=None) -> jax.Array:
     """Section 4: the smallest set of key blocks per row reaching `threshold` of the mass.
 
     block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32 `[Hq]`. Returns bool
@@ -110,10 +122,11 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
     descending order (ties: lower index first) while the selected total is below
     threshold * row total. A threshold of 1 or more, and a row whose total is not finite
     (NaN or inf in q or k), select every allowed block, so nothing is dropped silently.
+    diagonal: as in `forced_and_allowed`.
     """
     qb, kb = block_sums.shape[-2:]
     forced, allowed = forced_and_allowed(qb, kb, causal=causal, keep_sink=keep_sink,
-                                         keep_recent=keep_recent)
+                                         keep_recent=keep_recent, diagonal=diagonal)
     total = block_sums.sum(axis=-1, keepdims=True)
     forced_mass = jnp.where(forced, block_sums, 0.0).sum(axis=-1, keepdims=True)
     take = take_descending(block_sums, allowed & ~forced, forced_mass,
@@ -123,16 +136,17 @@ def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, causal: bool,
 
 
 def widen(mask: jax.Array, block_sums: jax.Array, *, causal: bool, min_blocks: int,
-          dense_last: int) -> jax.Array:
+          dense_last: int, diagonal=None) -> jax.Array:
     """Section 4's widening of a selected mask: bool `[B, Hq, qb, kb]`, at least `mask`.
 
     Each row also keeps its `min_blocks` highest-scoring allowed blocks (`block_sums`,
     float32 `[B, Hq, qb, kb]`; equal sums: lower index first), and the rows of the last
-    `dense_last` query blocks keep every allowed block.
+    `dense_last` query blocks keep every allowed block. diagonal: as in
+    `forced_and_allowed`.
     """
     qb, kb = block_sums.shape[-2:]
     _, allowed = forced_and_allowed(qb, kb, causal=causal, keep_sink=False,
-                                    keep_recent=False)
+                                    keep_recent=False, diagonal=diagonal)
     count = min(min_blocks, kb)
     if count:
         scores = jnp.where(allowed, jnp.nan_to_num(block_sums, nan=0.0), -1.0)

@@ -13,6 +13,7 @@ from xattn_jax.backend import Backend, platform_of
 from xattn_jax.geometry import Geometry
 from xattn_jax.sampled_geometry import SampledGeometry
 from xattn_jax.triton import block_sums as block_sums_kernel
+from xattn_jax.triton import ragged_block_sums as ragged_kernel
 from xattn_jax.triton import select_blocks as select_kernel
 from xattn_jax.triton import strided_scores as scores_kernel
 from xattn_jax.triton.plan import plan_block_sums, plan_select_blocks, plan_strided_scores
@@ -64,9 +65,20 @@ class TritonBackend(Backend):
                                block_table=block_table, max_scratch_bytes=max_scratch_bytes)
 
     def select_blocks(self, sums, threshold, *, causal: bool, keep_sink: bool,
-                      keep_recent: bool) -> jax.Array:
-        rules = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent)
+                      keep_recent: bool, diagonal=None) -> jax.Array:
+        rules = dict(causal=causal, keep_sink=keep_sink, keep_recent=keep_recent,
+                     diagonal=diagonal)
         if sums.shape[-1] > MAX_KEY_BLOCKS:
             return reference.select_blocks(sums, threshold, **rules)
-        plan = plan_select_blocks(sums.shape, causal=causal, interpret=self.interpret)
+        # rows with their own diagonals: one call at the whole width
+        plan = plan_select_blocks(sums.shape, causal=causal and diagonal is None,
+                                  interpret=self.interpret)
         return select_kernel.select_blocks(sums, threshold, plan=plan, **rules)
+
+    def ragged_unsupported(self, op: str, geom, dtype) -> str | None:
+        return ragged_kernel.unsupported_reason(geom)
+
+    def ragged_block_sums(self, q, k, page_indices, blocks, geom, *, norm: float):
+        plan = ragged_kernel.plan_ragged(geom, q.dtype, interpret=self.interpret)
+        return ragged_kernel.ragged_block_sums(q, k, page_indices, blocks, plan=plan,
+                                               norm=norm)

@@ -39,8 +39,9 @@ _FLOAT_BITS = 31  # bisection steps: non-negative float32 bit patterns are < 2**
 
 def _select_kernel(sums_ref, threshold_ref, *refs, q_blocks: int, k_blocks: int,
                    rows: int, width: int, out_width: int, first_tile: int, causal: bool,
-                   keep_sink: bool, keep_recent: bool):
+                   keep_sink: bool, keep_recent: bool, row_diagonals: bool):
     mask_ref = refs[-1]  # after the mask of the calls before, aliased to it (never read)
+    diagonal_ref = refs[0] if row_diagonals else None
     h = pl.program_id(1)
     row_ids = (first_tile + pl.program_id(2)) * rows + jnp.arange(rows)
     clamped_rows = jnp.minimum(row_ids, q_blocks - 1)[:, None]
@@ -64,7 +65,10 @@ def _select_kernel(sums_ref, threshold_ref, *refs, q_blocks: int, k_blocks: int,
         piece *= 2
 
     j = jnp.arange(width)[None, :]
-    diagonal = row_ids[:, None] + (k_blocks - q_blocks)
+    if diagonal_ref is None:
+        diagonal = row_ids[:, None] + (k_blocks - q_blocks)
+    else:
+        diagonal = plgpu.load(diagonal_ref.at[clamped_rows])
     forced = real & (((j == 0) & (causal or keep_sink))
                      | ((j == diagonal) & (causal or keep_recent)))
     allowed = real & (j <= diagonal) if causal else real
@@ -101,36 +105,44 @@ def _select_kernel(sums_ref, threshold_ref, *refs, q_blocks: int, k_blocks: int,
 
 @functools.partial(jax.jit, static_argnames=("plan", "causal", "keep_sink", "keep_recent"))
 def select_blocks(block_sums: jax.Array, threshold: jax.Array, *, plan: SelectPlan,
-                  causal: bool, keep_sink: bool = False, keep_recent: bool = False
-                  ) -> jax.Array:
+                  causal: bool, keep_sink: bool = False, keep_recent: bool = False,
+                  diagonal: jax.Array | None = None) -> jax.Array:
     """Triton-backend section 4. block_sums: float32 `[B, Hq, qb, kb]`; threshold: float32
-    `[Hq]`; plan: from `plan.plan_select_blocks` for that shape and causal flag.
+    `[Hq]`; plan: from `plan.plan_select_blocks` for that shape and causal flag (with
+    `diagonal`: a plan of one call at the whole width, `causal=False`'s).
+    diagonal: int32 `[qb]`, each row's diagonal block where it is not i + kb - qb
+    (`reference.forced_and_allowed`), for causal selections.
 
     Returns bool `[B, Hq, qb, kb]`, the same rule as `reference.select_blocks`. Each of
     the plan's calls writes its row tiles into one mask, the later ones in place.
     """
     b, hq, qb, kb = block_sums.shape
     rows, width = plan.rows, plan.width
+    diagonals = () if diagonal is None else (diagonal.astype(jnp.int32),)
     mask = None
     for call in plan.calls:
         kernel = functools.partial(_select_kernel, q_blocks=qb, k_blocks=kb, rows=rows,
                                    width=call.width, out_width=width,
                                    first_tile=call.first_tile, causal=causal,
-                                   keep_sink=keep_sink, keep_recent=keep_recent)
+                                   keep_sink=keep_sink, keep_recent=keep_recent,
+                                   row_diagonals=bool(diagonals))
         mask_spec = pl.BlockSpec((None, None, rows, width),
                                  lambda i, h, r, first=call.first_tile: (i, h, first + r, 0))
         earlier = () if mask is None else (mask,)
+        extra = diagonals + earlier
         mask = pl.pallas_call(
             kernel,
             grid=(b, hq, call.tiles),
             in_specs=[pl.BlockSpec((None, None, qb, kb), lambda i, h, r: (i, h, 0, 0)),
-                      pl.BlockSpec((hq,), lambda i, h, r: (0,))] + [mask_spec] * len(earlier),
+                      pl.BlockSpec((hq,), lambda i, h, r: (0,))]
+            + [pl.BlockSpec((qb,), lambda i, h, r: (0,))] * len(diagonals)
+            + [mask_spec] * len(earlier),
             out_specs=mask_spec,
             out_shape=kernel_output((b, hq, plan.row_tiles * rows, width), jnp.bool_,
                                     block_sums, threshold),
-            input_output_aliases={2: 0} if earlier else {},
+            input_output_aliases={2 + len(diagonals): 0} if earlier else {},
             compiler_params=plgpu.CompilerParams(num_warps=call.num_warps),
             interpret=plan.interpret,
-        )(block_sums, threshold, *earlier)
+        )(block_sums, threshold, *extra)
     return mask[:, :, :qb, :kb]
 

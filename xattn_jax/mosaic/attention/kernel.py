@@ -24,6 +24,10 @@ Tiles that cross the causal diagonal of a warpgroup (or, without causal, hold ke
 the keys in use: Lk unless given)
 come last in the list and are the only ones masked per element.
 
+The warpgroups' code (`run_cta`) asks a `CtaWork` where its CTA's query rows, key tiles
+and output rows are: `BatchedCta` for this module's batched call, `ragged_kernel.RaggedCta`
+for a ragged serving step.
+
 Softmax: m is kept in log2 units (scores times scale*log2(e)) and starts at a finite
 `_M_START`, so a row with no visible key so far gets p = 2^(-inf) = 0 and never NaN; at the
 end, rows with l = 0 (no visible key) give acc / max(l, 1) = 0 and lse = m ln2 + ln 0 = -inf
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -50,23 +55,63 @@ LN_2 = math.log(2.0)
 _M_START = -1e30  # running max before any visible key (log2 units); finite on purpose
 
 
-def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
-                 plan: AttentionPlan, num_ctas: int, group: int, causal: bool,
-                 scale: float, page_size: int | None):
-    """Refs: q/out [B, Hq, Lq_pad, D], k/v [B, Hkv, Lk_pad, D] (or, with `page_size`, paged
-    [num_pages, page_size, Hkv, D] followed by the block table [B, pages_per_seq] int32,
-    ids in range), tiles [B, Hq, nq, nt], counts [B, Hq, nq, 1 + W] and bounds [2] =
-    (n - Lq, n) int32 (n keys in use: query row i sits at key position i + n - Lq), lse
-    [B, Hq, Lq_pad] f32 or None."""
-    table_ref = refs[0] if page_size is not None else None
-    (out_ref, lse_ref, buffers,
-     q_ready, k_ready, v_ready, k_free, v_free, mma_turn) = refs[page_size is not None:]
-    q_smem, k_smem, v_smem, lse_smem = buffers
-    batch = lax.axis_index("batch")
-    head = lax.axis_index("heads")
-    cta = num_ctas - 1 - lax.axis_index("q_ctas")  # heavy (late) query tiles start first
+class Barriers(NamedTuple):
+    """The kernel's barriers (`scratch_types`): q_ready [W], k_ready / v_ready [stages]
+    (one arrival per copy of a tile), k_free / v_free [stages] and mma_turn (W arrivals
+    each)."""
+
+    q_ready: Any
+    k_ready: Any
+    v_ready: Any
+    k_free: Any
+    v_free: Any
+    mma_turn: Any
+
+
+class CtaWork(Protocol):
+    """One CTA's share of a call, as `run_cta`'s warpgroups read it: where its query rows,
+    key tiles and output rows are. Implemented by `BatchedCta` (the batched call) and
+    `ragged_kernel.RaggedCta`. Only `key_tile`, `locate` and the copies run per key tile;
+    the rest runs once per warpgroup."""
+
+    num_steps: jax.Array  # int32: the key tiles the CTA visits
+
+    def load_queries(self, wg, q_tile, ready) -> None:
+        """Starts the copy of warpgroup wg's query rows into q_tile `[block_q, D]`."""
+
+    def await_queries(self, wg, q_tile, ready) -> None:
+        """Returns once q_tile holds wg's query rows, visible to wgmma."""
+
+    def num_unmasked(self, wg) -> jax.Array:
+        """How many leading listed tiles need no per-element mask for warpgroup wg."""
+
+    def key_bound(self, wg, causal: bool) -> jax.Array:
+        """causal: the key position of wg's first query row; else the first hidden key."""
+
+    def key_tile(self, index) -> jax.Array:
+        """The key tile (of `block_kv` keys) of step `index`."""
+
+    def locate(self, index) -> Any:
+        """Where step `index`'s key tile lies, read before the producer waits for a slot."""
+
+    def copy_keys(self, source, dst, barrier) -> None:
+        """TMA copies of the keys at `source` into the slot `dst`, arriving on `barrier`."""
+
+    def copy_values(self, source, dst, barrier) -> None:
+        """The same for the values."""
+
+    def store(self, wg, q_tile, out: jax.Array, m: jax.Array, l: jax.Array) -> None:
+        """Writes wg's finished rows: out `[block_q, Dv]` float32 (normalized), m and l the
+        rows' running max (log2 units) and sum; q_tile (wg's query tile) is free."""
+
+
+def run_cta(cta: CtaWork, q_smem, k_smem, v_smem, barriers: Barriers, *,
+            plan: AttentionPlan, causal: bool, scale: float):
+    """The warpgroups of one CTA: consumers 0 .. W-1 (`plan.block_q` query rows each),
+    then the producer. q_smem `[W, block_q, D]`, k_smem / v_smem `[stages, block_kv, D]`."""
+    q_ready, k_ready, v_ready, k_free, v_free, mma_turn = barriers
     wg = lax.axis_index(WG_AXIS)
-    num_steps = counts_ref[batch, head, cta, 0]
+    num_steps = cta.num_steps
     bq, bkv, stages = plan.block_q, plan.block_kv, plan.stages
 
     def take_turn():
@@ -77,20 +122,17 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_tile = q_smem.at[wg]
-        row0 = cta * plan.rows_per_cta + wg * bq
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_tile,
-                                q_ready.at[wg])
-        num_unmasked = counts_ref[batch, head, cta, 1 + wg]
-        # causal: the key position of query row 0; else: the first hidden key
-        key_bound = bounds_ref[0] if causal else bounds_ref[1]
-        plgpu.barrier_wait(q_ready.at[wg])
+        cta.load_queries(wg, q_tile, q_ready.at[wg])
+        num_unmasked = cta.num_unmasked(wg)
+        key_bound = cta.key_bound(wg, causal)
+        cta.await_queries(wg, q_tile, q_ready.at[wg])
         scale_log2 = scale * LOG2_E
 
         def step(index, carry, *, masked: bool):
             acc, m, l = carry
             slot = lax.rem(index, jnp.int32(stages))
             if masked:  # read before the product, so that its latency overlaps
-                key0 = tiles_ref[batch, head, cta, index] * bkv
+                key0 = cta.key_tile(index) * bkv
 
             def qk_product(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
@@ -104,8 +146,8 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
                                               layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
                                               layout=plgpu.Layout.WGMMA)
-                if causal:  # key key0 + c visible to row row0 + r iff c <= r + pos - key0
-                    visible = (rows + (row0 + key_bound - key0)) >= cols
+                if causal:  # key key0 + c visible to row r (at key_bound + r) iff c <= ..
+                    visible = (rows + (key_bound - key0)) >= cols
                 else:  # only the keys from n on are hidden
                     visible = (cols + key0) < key_bound
                 s = jnp.where(visible, s, -jnp.inf)
@@ -161,43 +203,27 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
         pl.when(wg == 0)(take_turn)
 
         out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])
-        q_tile[...] = out.astype(q_tile.dtype)  # q is no longer needed: reuse its tile
-        if lse_ref is not None:
-            lse_smem.at[wg][...] = m * LN_2 + jnp.log(l)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, out_ref.at[batch, head, pl.ds(row0, bq)])
-        if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        cta.store(wg, q_tile, out, m, l)
 
     @pl.when(wg == plan.compute_warpgroups)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, jnp.int32(group))
-
-        def key_rows(index):
-            tile = tiles_ref[batch, head, cta, index]
-            if table_ref is None:
-                return (batch, kv_head, pl.ds(tile * bkv, bkv))
-            tiles_per_page = jnp.int32(page_size // bkv)  # a tile never crosses a page
-            page = table_ref[batch, lax.div(tile, tiles_per_page)]
-            return (page, pl.ds(lax.rem(tile, tiles_per_page) * bkv, bkv), kv_head)
 
         for first in range(stages):
             @pl.when(first < num_steps)
             def _():
-                rows = key_rows(first)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[first], k_ready.at[first])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[first], v_ready.at[first])
+                source = cta.locate(first)
+                cta.copy_keys(source, k_smem.at[first], k_ready.at[first])
+                cta.copy_values(source, v_smem.at[first], v_ready.at[first])
 
         @pl.loop(stages, num_steps)
         def _(index):
             slot = lax.rem(index, jnp.int32(stages))
-            rows = key_rows(index)  # read the index before waiting: its latency overlaps
+            source = cta.locate(index)  # read the index before waiting: its latency overlaps
             plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            cta.copy_keys(source, k_smem.at[slot], k_ready.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+            cta.copy_values(source, v_smem.at[slot], v_ready.at[slot])
 
         # Observe the releases of the last tiles too, so every completed phase of the
         # free barriers has been waited for when the CTA ends.
@@ -206,6 +232,109 @@ def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
             slot = lax.rem(index, jnp.int32(stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
+
+
+class BatchedCta:
+    """A CTA of the batched call: query tile `cta` (of `plan.rows_per_cta` rows) of one
+    (batch, query head), its key tiles read from k/v `[B, Hkv, Lk_pad, D]` or through the
+    block table from pages of a whole number of key tiles."""
+
+    def __init__(self, q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, table_ref,
+                 out_ref, lse_ref, lse_smem, *, plan: AttentionPlan, num_ctas: int,
+                 group: int, page_size: int | None):
+        self.q_ref, self.k_ref, self.v_ref, self.table_ref = q_ref, k_ref, v_ref, table_ref
+        self.tiles_ref, self.counts_ref, self.bounds_ref = tiles_ref, counts_ref, bounds_ref
+        self.out_ref, self.lse_ref, self.lse_smem = out_ref, lse_ref, lse_smem
+        self.plan, self.page_size = plan, page_size
+        self.batch = lax.axis_index("batch")
+        self.head = lax.axis_index("heads")
+        # heavy (late) query tiles start first
+        self.cta = num_ctas - 1 - lax.axis_index("q_ctas")
+        self.kv_head = lax.div(self.head, jnp.int32(group))
+        self.num_steps = counts_ref[self.batch, self.head, self.cta, 0]
+
+    def _row0(self, wg):
+        return self.cta * self.plan.rows_per_cta + wg * self.plan.block_q
+
+    def load_queries(self, wg, q_tile, ready):
+        rows = self.q_ref.at[self.batch, self.head, pl.ds(self._row0(wg), self.plan.block_q)]
+        plgpu.copy_gmem_to_smem(rows, q_tile, ready)
+
+    def await_queries(self, wg, q_tile, ready):
+        plgpu.barrier_wait(ready)
+
+    def num_unmasked(self, wg):
+        return self.counts_ref[self.batch, self.head, self.cta, 1 + wg]
+
+    def key_bound(self, wg, causal: bool):
+        # bounds: (n - Lq, n); query row i sits at key position i + n - Lq
+        return self._row0(wg) + self.bounds_ref[0] if causal else self.bounds_ref[1]
+
+    def key_tile(self, index):
+        return self.tiles_ref[self.batch, self.head, self.cta, index]
+
+    def locate(self, index):
+        bkv, tile = self.plan.block_kv, self.key_tile(index)
+        if self.table_ref is None:
+            return (self.batch, self.kv_head, pl.ds(tile * bkv, bkv))
+        tiles_per_page = jnp.int32(self.page_size // bkv)  # a tile never crosses a page
+        page = self.table_ref[self.batch, lax.div(tile, tiles_per_page)]
+        return (page, pl.ds(lax.rem(tile, tiles_per_page) * bkv, bkv), self.kv_head)
+
+    def copy_keys(self, source, dst, barrier):
+        plgpu.copy_gmem_to_smem(self.k_ref.at[source], dst, barrier)
+
+    def copy_values(self, source, dst, barrier):
+        plgpu.copy_gmem_to_smem(self.v_ref.at[source], dst, barrier)
+
+    def store(self, wg, q_tile, out, m, l):
+        q_tile[...] = out.astype(q_tile.dtype)  # q is no longer needed: reuse its tile
+        rows = (self.batch, self.head, pl.ds(self._row0(wg), self.plan.block_q))
+        if self.lse_ref is not None:
+            self.lse_smem.at[wg][...] = m * LN_2 + jnp.log(l)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, self.out_ref.at[rows])
+        if self.lse_ref is not None:
+            plgpu.copy_smem_to_gmem(self.lse_smem.at[wg], self.lse_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel_body(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, *refs,
+                 plan: AttentionPlan, num_ctas: int, group: int, causal: bool,
+                 scale: float, page_size: int | None):
+    """Refs: q/out [B, Hq, Lq_pad, D], k/v [B, Hkv, Lk_pad, D] (or, with `page_size`, paged
+    [num_pages, page_size, Hkv, D] followed by the block table [B, pages_per_seq] int32,
+    ids in range), tiles [B, Hq, nq, nt], counts [B, Hq, nq, 1 + W] and bounds [2] =
+    (n - Lq, n) int32 (n keys in use: query row i sits at key position i + n - Lq), lse
+    [B, Hq, Lq_pad] f32 or None."""
+    table_ref = refs[0] if page_size is not None else None
+    out_ref, lse_ref, buffers, *barriers = refs[page_size is not None:]
+    q_smem, k_smem, v_smem, lse_smem = buffers
+    cta = BatchedCta(q_ref, k_ref, v_ref, tiles_ref, counts_ref, bounds_ref, table_ref,
+                     out_ref, lse_ref, lse_smem, plan=plan, num_ctas=num_ctas, group=group,
+                     page_size=page_size)
+    run_cta(cta, q_smem, k_smem, v_smem, Barriers(*barriers), plan=plan, causal=causal,
+            scale=scale)
+
+
+def key_value_slots(plan: AttentionPlan, dtype) -> tuple:
+    """The key and the value slots `[stages, block_kv, D]` (wgmma tiles)."""
+    slots = plgpu.SMEM((plan.stages, plan.block_kv, plan.head_dim), dtype,
+                       transforms=tile_transforms(dtype))
+    return slots, slots
+
+
+def barrier_types(plan: AttentionPlan, copies_per_tile: int = 1) -> tuple:
+    """The scratch of `Barriers`; a key (value) tile arrives in `copies_per_tile` copies."""
+    warpgroups = plan.compute_warpgroups
+    return (
+        plgpu.Barrier(num_barriers=warpgroups),  # q_ready
+        plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=plan.stages),  # k_ready
+        plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=plan.stages),  # v_ready
+        plgpu.Barrier(num_arrivals=warpgroups, num_barriers=plan.stages),  # k_free
+        plgpu.Barrier(num_arrivals=warpgroups, num_barriers=plan.stages),  # v_free
+        plgpu.Barrier(num_arrivals=warpgroups),  # mma_turn
+    )
 
 
 def attention_call(q, k, v, tiles, counts, bounds, block_table=None, *, plan: AttentionPlan,
@@ -222,24 +351,14 @@ def attention_call(q, k, v, tiles, counts, bounds, block_table=None, *, plan: At
     kv_heads = k.shape[1] if block_table is None else k.shape[2]
     num_ctas = q_rows // plan.rows_per_cta
     warpgroups = plan.compute_warpgroups
-    tile_layout = tile_transforms(q.dtype)
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, q_heads, q_rows), jnp.float32)
                 if return_lse else None]
     buffers = (
-        plgpu.SMEM((warpgroups, plan.block_q, head_dim), q.dtype, transforms=tile_layout),
-        plgpu.SMEM((plan.stages, plan.block_kv, head_dim), k.dtype, transforms=tile_layout),
-        plgpu.SMEM((plan.stages, plan.block_kv, head_dim), v.dtype, transforms=tile_layout),
+        plgpu.SMEM((warpgroups, plan.block_q, head_dim), q.dtype,
+                   transforms=tile_transforms(q.dtype)),
+        *key_value_slots(plan, k.dtype),
         plgpu.SMEM((warpgroups, plan.block_q), jnp.float32) if return_lse else None,
-    )
-    scratch_types = (
-        buffers,
-        plgpu.Barrier(num_barriers=warpgroups),  # q_ready
-        plgpu.Barrier(num_barriers=plan.stages),  # k_ready
-        plgpu.Barrier(num_barriers=plan.stages),  # v_ready
-        plgpu.Barrier(num_arrivals=warpgroups, num_barriers=plan.stages),  # k_free
-        plgpu.Barrier(num_arrivals=warpgroups, num_barriers=plan.stages),  # v_free
-        plgpu.Barrier(num_arrivals=warpgroups),  # mma_turn
     )
     body = functools.partial(
         _kernel_body, plan=plan, num_ctas=num_ctas, group=q_heads // kv_heads,
@@ -249,7 +368,7 @@ def attention_call(q, k, v, tiles, counts, bounds, block_table=None, *, plan: At
     out, lse = plgpu.kernel(
         body,
         out_type=out_type,
-        scratch_types=scratch_types,
+        scratch_types=(buffers, *barrier_types(plan)),
         grid=(q_heads, num_ctas, batch),
         grid_names=("heads", "q_ctas", "batch"),
         num_threads=warpgroups + 1,

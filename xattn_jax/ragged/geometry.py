@@ -1,0 +1,68 @@
+"""The static sizes of one ragged serving step (docs/estimate.md, "Ragged steps").
+
+An engine pads the packed token count T, the sequence count S and the page-table width
+to buckets; these and the cache's shape are the only static sizes of a step, so every
+other change (lengths, pages, live sequences) runs the same compiled computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from xattn_jax.geometry import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedGeometry:
+    """Sizes of one `ragged_xattention` call. Hashable: a static jit argument.
+
+    tokens: T, the packed query rows; seqs: S, the sequence slots (live or not);
+    pages_per_seq: the page table's width; num_pages, page_size: the cache's pages;
+    fused: K and V in one cache `[num_pages, page_size, 2 Hkv, D]`.
+    """
+
+    tokens: int
+    seqs: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    num_pages: int
+    page_size: int
+    pages_per_seq: int
+    block_size: int
+    stride: int
+    fused: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head: query head h reads KV head h // group."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def capacity(self) -> int:
+        """Keys one sequence's page table can address."""
+        return self.pages_per_seq * self.page_size
+
+    @property
+    def k_blocks(self) -> int:
+        """KB: key blocks of the widest sequence, the mask's last axis."""
+        return cdiv(self.capacity, self.block_size)
+
+    @property
+    def q_block_rows(self) -> int:
+        """QB: mask rows, a bound on the step's query blocks. A chunk of n queries that
+        starts anywhere in a block spans fewer than n / block_size + 2 blocks, so S
+        sequences of T queries together span at most T // block_size + 2 S."""
+        return self.tokens // self.block_size + 2 * self.seqs
+
+    def query_position(self, rows):
+        """The query group of each reshaped row (`triton.common.step_product`): the
+        row itself, rows being groups at their absolute key positions."""
+        return rows
+
+    def local(self, q, k) -> RaggedGeometry:
+        """This geometry with the heads of q `[T, Hq, D]` and the cache k at hand (one
+        shard's, under partitioning; a fused cache's head axis holds 2 Hkv)."""
+        kv_heads = k.shape[2] // 2 if self.fused else k.shape[2]
+        return dataclasses.replace(self, q_heads=q.shape[1], kv_heads=kv_heads)
