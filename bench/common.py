@@ -257,3 +257,18 @@ def write_outputs(records: list[dict], table: str, json_path: str | None,
     if md_path:
         with open(md_path, "w") as f:
             f.write(table)
+
+
+def smoke_in_subprocess(module: str, call: str, limit_s: float) -> str:
+    """`call` (an expression on `module`'s names, true where it passes) in a subprocess
+    with a time limit, so that a kernel that deadlocks cannot hang the run: "pass",
+    "fail" or "hang"."""
+    code = f"from {module} import *; import sys; sys.exit(0 if {call} else 1)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        print(f"SMOKE HANG: {call} did not finish in {limit_s}s (barrier protocol "
+              "deadlock?)", flush=True)
+        return "hang"
+    print(f"smoke {call}: exit code {done.returncode}", flush=True)
+    return "pass" if done.returncode == 0 else "fail"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -31,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import time_ms
+from bench.common import smoke_in_subprocess, time_ms
 from xattn_jax import mosaic
 from xattn_jax.mosaic.attention import block_sparse_attention as attention
 
@@ -247,16 +246,7 @@ def run_large(started: float) -> None:
 def smoke(call: str) -> str:
     """`call` (an expression on this module's names) in a subprocess with a time limit:
     "pass", "fail" or "hang"."""
-    code = (f"from bench.mosaic_attention_check import *; import sys; "
-            f"sys.exit(0 if {call} else 1)")
-    try:
-        done = subprocess.run([sys.executable, "-c", code], timeout=SMOKE_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        print(f"SMOKE HANG: {call} did not finish in {SMOKE_LIMIT_S}s (barrier protocol "
-              "deadlock?)", flush=True)
-        return "hang"
-    print(f"smoke {call}: exit code {done.returncode}", flush=True)
-    return "pass" if done.returncode == 0 else "fail"
+    return smoke_in_subprocess("bench.mosaic_attention_check", call, SMOKE_LIMIT_S)
 
 
 def main() -> None:

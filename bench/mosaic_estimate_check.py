@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -38,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.cases import ESTIMATE, GQA_CASE  # noqa: E402
-from bench.common import floor_ms, time_ms  # noqa: E402
+from bench.common import floor_ms, smoke_in_subprocess, time_ms  # noqa: E402
 from xattn_jax import mosaic, reference  # noqa: E402
 from xattn_jax.geometry import Geometry  # noqa: E402
 from xattn_jax.mosaic.estimate import block_sums as mosaic_block_sums  # noqa: E402
@@ -198,17 +197,8 @@ def run_timing(cases, bound: int | None) -> None:
 
 
 def smoke() -> str:
-    """The first check case in a subprocess with a time limit: "pass", "fail" or "hang"."""
-    code = ("from bench.mosaic_estimate_check import *; import sys; "
-            "sys.exit(0 if check_case(*CHECK_CASES[0]) else 1)")
-    try:
-        done = subprocess.run([sys.executable, "-c", code], timeout=SMOKE_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        print(f"SMOKE HANG: the first case did not finish in {SMOKE_LIMIT_S}s (barrier "
-              f"protocol deadlock?)", flush=True)
-        return "hang"
-    print(f"smoke: exit code {done.returncode}", flush=True)
-    return "pass" if done.returncode == 0 else "fail"
+    """The first check in a subprocess with a time limit: "pass", "fail" or "hang"."""
+    return smoke_in_subprocess("bench.mosaic_estimate_check", "check_case(*CHECK_CASES[0])", SMOKE_LIMIT_S)
 
 
 def main() -> None:

@@ -401,6 +401,19 @@ def check_block_sizes(settings: list[Setting], sizes: Sizes) -> None:
                          f"{sizes.block}")
 
 
+
+def _named(items: list, names: str | None, flag: str) -> list:
+    """The `items` whose names the comma-separated `names` list (all where None); a
+    ValueError naming `flag` for a name not among them."""
+    if not names:
+        return items
+    wanted = names.split(",")
+    unknown = sorted(set(wanted) - {item.name for item in items})
+    if unknown:
+        raise ValueError(f"{flag}: {unknown} not among {[item.name for item in items]}")
+    return [item for item in items if item.name in wanted]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quality", default=str(QUALITY),
@@ -412,19 +425,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="the records' path (bench.common.write_outputs)")
     args = parser.parse_args(argv)
     settings, model_length = read_settings(args.quality, args.text)
-    if args.settings:
-        names = args.settings.split(",")
-        unknown = sorted(set(names) - {s.name for s in settings})
-        if unknown:
-            raise ValueError(f"--settings: {unknown} not among {[s.name for s in settings]}")
-        settings = [s for s in settings if s.name in names]
-    chosen = scales(model_length, args.smoke)
-    if args.scales:
-        names = args.scales.split(",")
-        unknown = sorted(set(names) - {sc.name for sc in chosen})
-        if unknown:
-            raise ValueError(f"--scales: {unknown} not among {[sc.name for sc in chosen]}")
-        chosen = [sc for sc in chosen if sc.name in names]
+    settings = _named(settings, args.settings, "--settings")
+    chosen = _named(scales(model_length, args.smoke), args.scales, "--scales")
     if not args.smoke:
         for sc in chosen:
             check_block_sizes(settings, sc.sizes)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import subprocess
-import sys
 import time
 import traceback
 
@@ -31,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import time_ms
+from bench.common import smoke_in_subprocess, time_ms
 from bench.ragged_attention_steps import RaggedStep, step_arrays
 from xattn_jax import mosaic
 from xattn_jax.mosaic.attention import ragged_work
@@ -167,18 +165,8 @@ def run_large() -> None:
 
 
 def smoke() -> str:
-    """The first small step in a subprocess with a time limit: "pass", "fail" or
-    "hang"."""
-    code = ("from bench.ragged_attention_check import *; import sys; "
-            "sys.exit(0 if check_step(SMALL_STEPS[0]) else 1)")
-    try:
-        done = subprocess.run([sys.executable, "-c", code], timeout=SMOKE_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        print(f"SMOKE HANG: the first small step did not finish in {SMOKE_LIMIT_S}s "
-              "(barrier protocol deadlock?)", flush=True)
-        return "hang"
-    print(f"smoke: exit code {done.returncode}", flush=True)
-    return "pass" if done.returncode == 0 else "fail"
+    """The first check in a subprocess with a time limit: "pass", "fail" or "hang"."""
+    return smoke_in_subprocess("bench.ragged_attention_check", "check_step(SMALL_STEPS[0])", SMOKE_LIMIT_S)
 
 
 def main() -> None:

@@ -262,3 +262,13 @@ def kernel_pallas_impl(request) -> Impl:
 @pytest.fixture
 def reference_impl() -> Impl:
     return Impl("reference")
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs the test under one partitioner, restoring JAX's setting afterwards."""
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", before)
+

@@ -12,7 +12,6 @@ bounds reaching every grid and step kind. Marked `gpu` (Hopper only): the compil
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
@@ -22,6 +21,7 @@ import mosaic_interpret
 import np_reference as npr
 import numpy as np
 import pytest
+from lowering import lower_for_an_h200
 from cases import F32_RTOL
 
 from xattn_jax import impls, mosaic, reference, row_statistics
@@ -503,19 +503,6 @@ needs_mosaic_gpu = pytest.mark.skipif(
     reason=f"Mosaic GPU does not import: {_mosaic_gpu_import_error()}")
 
 
-def _lower_for_an_h200(fn, *args) -> str:
-    """The text of the module jit lowers for CUDA. The Triton backend's lowering (the
-    statistics epilogue's kernel) asks the device for its compute capability: jax >= 0.11
-    is told of an H200 by an abstract mesh; older jax assumes compute capability 9.0."""
-    target = contextlib.nullcontext()
-    if hasattr(jax.sharding, "AbstractDevice"):
-        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            (1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
-            abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")))
-    with target:
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def _lower(plan, key_len: bool = False) -> str:
     geom, page = plan.geom, plan.page_size
     q = jax.ShapeDtypeStruct((geom.batch, geom.q_heads, geom.q_len, geom.head_dim), BF16)
@@ -532,7 +519,7 @@ def _lower(plan, key_len: bool = False) -> str:
         return block_sums.block_sums(q, k, plan=plan, norm=1.0, key_len=count,
                                      block_table=table)
 
-    return _lower_for_an_h200(call, q, k, count, table)
+    return lower_for_an_h200(call, q, k, count, table)
 
 
 # (shape, causal, options, key_len): whole calls causal and not, S 16, D 64, a chunk's

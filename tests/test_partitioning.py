@@ -40,15 +40,6 @@ MESHES = {
 }
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    """Runs the test under one partitioner, restoring JAX's setting afterwards."""
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", before)
-
-
 def _mesh(name: str) -> tuple[Mesh, P]:
     shape, axes, spec = MESHES[name]
     return Mesh(np.array(jax.devices()[:DEVICES]).reshape(shape), axes), spec

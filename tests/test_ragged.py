@@ -259,15 +259,6 @@ def test_triton_block_sums_equal_the_reference_in_interpret_mode(rand):
 DEVICES = 4
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    """Runs the test under one partitioner, restoring JAX's setting afterwards."""
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", before)
-
-
 @pytest.mark.skipif(len(jax.devices()) < DEVICES, reason="needs 4 devices (conftest.py)")
 @pytest.mark.parametrize("fused, kv_heads", [(False, 2), (True, 2), (True, 4)])
 def test_partitions_over_heads_under_jit(rand, partitioner, fused, kv_heads):

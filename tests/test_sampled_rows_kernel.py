@@ -8,13 +8,13 @@ interpret mode; on a GPU compiled, marked `gpu`, with larger cases of their own.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lowering import lower_for_an_h200
 
 import np_reference as npr
 import xattn_jax
@@ -385,19 +385,6 @@ def test_plans_keep_the_scratch_bound(name):
 
 # --- lowering for CUDA -------------------------------------------------------------------
 
-def _lower_for_an_h200(fn, *args) -> str:
-    """The text of the module jit lowers for CUDA; jax >= 0.11's Triton-backend lowering
-    asks the device for its compute capability, which an abstract mesh of an H200
-    answers (older jax assumes compute capability 9.0)."""
-    target = contextlib.nullcontext()
-    if hasattr(jax.sharding, "AbstractDevice"):
-        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            (1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
-            abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")))
-    with target:
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 LOWERING = {  # name: (Lq, Lk, block_size, rows, causal, dtype, key count, page size)
     "causal-32k": (32768, 32768, 128, ROWS, True, BF16, False, None),
     "causal-128k-steps": (131072, 131072, 128, ROWS, True, BF16, False, None),
@@ -426,7 +413,7 @@ def test_kernel_lowers_for_cuda(name):
         return backend.sampled_block_mass(q, k, geom=geom, causal=causal, key_len=count,
                                           block_table=table)
 
-    text = _lower_for_an_h200(call, q, k, count, table)
+    text = lower_for_an_h200(call, q, k, count, table)
     assert "__gpu$xla.gpu.triton" in text
 
 
