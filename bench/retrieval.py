@@ -1,7 +1,7 @@
 """Retrieval that no single passkey decides, on the real model: `python -m bench.retrieval`.
 
 The tasks of `bench.retrieval_tasks` (several keys with distractors, variable tracking,
-the most frequent words), `--items` seeded items each, every prompt and its answer
+the most frequent word), `--items` seeded items each, every prompt and its answer
 `--length` tokens of a `--text` window (`bench.texts`) in the model's chat template. The
 model and the settings are `bench.model_quality`'s: SmolLM2-135M-Instruct in the JAX
 forward of `bench.llama`, `SETTINGS` by name (`--settings`; dense always runs first) and
@@ -18,6 +18,7 @@ prompt + answer:
 
     python -m bench.retrieval --text licenses --calibrate-on python-docs \\
         --json bench/results/retrieval.json --md bench/results/retrieval.md
+    python -m bench.plot_retrieval bench/results/retrieval.json bench/results/retrieval.png
     python -m bench.retrieval --smoke        # CPU-sized: 512 tokens, 2 items, block 64
     python -m bench.retrieval --settings dense --items 3 --device cpu   # dense's check
 """
@@ -38,6 +39,7 @@ from bench import model_quality, retrieval_tasks, smollm2, texts
 from bench.common import commit, log, today, versions, write_outputs
 
 TARGET_POINTS = 2.0  # the defaults' accuracy should stay within this of dense's
+ITEMS = 50  # per task by default: one item is 2 points, TARGET_POINTS
 DENSE = model_quality.Setting("dense", "dense")
 CALIBRATE_RULES = ("estimate", "sampled-rows", "oracle")  # model_quality.calibrated's
 
@@ -90,7 +92,8 @@ def run(model: model_quality.Model, settings, task_items: dict) -> list[dict]:
     """Records, one per (setting, task), dense's first."""
     dense = {}
     records = []
-    for s in [DENSE] + [s for s in settings if s.rule != "dense"]:
+    order = [DENSE] + [s for s in settings if s.rule != "dense"]
+    for done, s in enumerate(order, 1):
         t0 = time.perf_counter()
         for task, items in task_items.items():
             rows = score_items(model, s, items, f"{s.name}, {task}")
@@ -104,7 +107,9 @@ def run(model: model_quality.Model, settings, task_items: dict) -> list[dict]:
                 f"({rec['accuracy_change_points']:+.1f} points), log-prob "
                 f"{rec['logprob']:.3f} ({rec['logprob_change']:+.3f}), density "
                 f"{rec['density']:.3f}")
-        log(f"{s.name} done ({time.perf_counter() - t0:.1f} s)")
+        took = time.perf_counter() - t0
+        log(f"{s.name} done, setting {done}/{len(order)} ({took:.1f} s with its compile; "
+            f"the {len(order) - done} left at this pace: {took * (len(order) - done):.0f} s)")
     return records
 
 
@@ -158,7 +163,9 @@ def main(argv=None) -> None:
     parser.add_argument("--text", default="licenses", choices=sorted(texts.TEXTS))
     parser.add_argument("--length", type=int, default=7168,
                         help="tokens of each prompt and its answer together")
-    parser.add_argument("--items", type=int, help="items per task (default 40; smoke: 2)")
+    parser.add_argument("--items", type=int,
+                        help=f"items per task (default {ITEMS}: one item is 2 points; "
+                             f"smoke: 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tasks", default=",".join(retrieval_tasks.TASKS),
                         help="comma-separated names from bench.retrieval_tasks.TASKS")
@@ -181,7 +188,7 @@ def main(argv=None) -> None:
     unknown = sorted(set(tasks) - set(retrieval_tasks.TASKS))
     if unknown:
         parser.error(f"--tasks: unknown {unknown}; known: {list(retrieval_tasks.TASKS)}")
-    items = args.items if args.items is not None else (2 if args.smoke else 40)
+    items = args.items if args.items is not None else (2 if args.smoke else ITEMS)
     if items < 1:
         parser.error(f"--items must be at least 1, got {args.items}")
     settings = model_quality.SMOKE if args.smoke else model_quality.SETTINGS

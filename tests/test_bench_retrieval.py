@@ -1,6 +1,6 @@
 """`bench.retrieval --smoke` on the real model (CPU, 512 tokens, one item per task):
-every (setting, task) recorded with the run's stamp, dense the reference. Skips without
-the `models` extra and the weights."""
+every (setting, task) recorded with the run's stamp, dense the reference, and its plot.
+Skips without the `models` extra and the weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench import retrieval, retrieval_tasks, smollm2  # noqa: E402
+from bench import plot_retrieval, retrieval, retrieval_tasks, smollm2  # noqa: E402
 
 
 def test_smoke_run_records_every_setting_and_task(tmp_path):
@@ -44,6 +44,9 @@ def test_smoke_run_records_every_setting_and_task(tmp_path):
     text = md.read_text()
     assert "| xattention defaults |" in text and "variable-tracking accuracy" in text
     assert "The defaults within 2 points of dense's accuracy on every task:" in text
+    png = tmp_path / "retrieval.png"
+    plot_retrieval.main([str(out), str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv", [["--tasks", "passkey"], ["--items", "0"],
