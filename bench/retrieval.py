@@ -107,9 +107,9 @@ def run(model: model_quality.Model, settings, task_items: dict) -> list[dict]:
                 f"({rec['accuracy_change_points']:+.1f} points), log-prob "
                 f"{rec['logprob']:.3f} ({rec['logprob_change']:+.3f}), density "
                 f"{rec['density']:.3f}")
-        took = time.perf_counter() - t0
+        took, left = time.perf_counter() - t0, len(order) - done
         log(f"{s.name} done, setting {done}/{len(order)} ({took:.1f} s with its compile; "
-            f"the {len(order) - done} left at this pace: {took * (len(order) - done):.0f} s)")
+            f"the {left} left at this pace: {took * left:.0f} s)")
     return records
 
 
@@ -119,8 +119,8 @@ def markdown(records: list[dict], command: str) -> str:
     tasks = list(dict.fromkeys(x["task"] for x in records))
     lines = [f"`{command}`", "",
              f"{r['text']}, {r['length']} tokens per prompt and answer, items per task: "
-             f"{r['items']}, {r['form']} prompts, {r['dtype']}, {r['device']}, {r['date']}, "
-             f"commit {r['commit']}; {r['versions']}", "",
+             f"{r['items']}, {r['form']} prompts, {r['dtype']}, {r['device']}, "
+             f"{r['date']}, commit {r['commit']}; {r['versions']}", "",
              "Accuracy: items solved (every scored answer token the most likely, "
              "`bench.retrieval_tasks.solved`), change against dense in points. Log-prob: "
              "the scored answer tokens' summed log-probability, mean over items, change "
@@ -133,16 +133,16 @@ def markdown(records: list[dict], command: str) -> str:
         by_setting.setdefault(x["setting"], {})[x["task"]] = x
     for name, row in by_setting.items():
         density = np.mean([x["density"] for x in row.values()])
-        cells = [f"{100 * row[t]['accuracy']:.1f}% ({row[t]['accuracy_change_points']:+.1f}) "
-                 f"| {row[t]['logprob']:.3f} ({row[t]['logprob_change']:+.3f})"
-                 for t in tasks]
+        cells = [f"{100 * x['accuracy']:.1f}% ({x['accuracy_change_points']:+.1f}) | "
+                 f"{x['logprob']:.3f} ({x['logprob_change']:+.3f})"
+                 for x in (row[t] for t in tasks)]
         lines.append(f"| {name} | {density:.3f} | " + " | ".join(cells) + " |")
     defaults = by_setting.get(model_quality.DEFAULTS.name)
     if defaults:
         worst = min(defaults.values(), key=lambda x: x["accuracy_change_points"])
         verdict = ("yes" if worst["accuracy_change_points"] >= -TARGET_POINTS else "no")
-        lines += ["", f"The defaults within {TARGET_POINTS:g} points of dense's accuracy on "
-                      f"every task: {verdict} (lowest: {worst['task']}, "
+        lines += ["", f"The defaults within {TARGET_POINTS:g} points of dense's accuracy "
+                      f"on every task: {verdict} (lowest: {worst['task']}, "
                       f"{worst['accuracy_change_points']:+.1f} points)."]
     return "\n".join(lines) + "\n"
 
@@ -211,6 +211,12 @@ def main(argv=None) -> None:
     length = 512 if args.smoke else args.length
     device = device_of(args.device)
     dtype = jnp.bfloat16 if device.platform == "gpu" else jnp.float32
+    command = " ".join(["python -m bench.retrieval",
+                        *(sys.argv[1:] if argv is None else argv)])
+    # what ran and where, taken before the run (the checkout may change during it)
+    stamp = {"text": args.text, "length": length, "form": args.form, "seed": args.seed,
+             "device": device.device_kind, "dtype": jnp.dtype(dtype).name, "date": today(),
+             "versions": versions(), "commit": commit(), "command": command}
     with jax.default_device(device):
         model = model_quality.Model(dtype)
         if args.calibrate_on:
@@ -227,13 +233,8 @@ def main(argv=None) -> None:
         log(f"{items} items per task, {length} tokens, {len(settings)} settings on "
             f"{device.device_kind}")
         records = run(model, settings, task_items)
-    command = " ".join(["python -m bench.retrieval",
-                        *(sys.argv[1:] if argv is None else argv)])
-    meta = {"text": args.text, "length": length, "form": args.form, "seed": args.seed,
-            "device": device.device_kind, "dtype": jnp.dtype(dtype).name, "date": today(),
-            "versions": versions(), "commit": commit(), "command": command}
     for r in records:
-        r.update(meta)
+        r.update(stamp)
     write_outputs(records, markdown(records, command), args.json, args.md)
 
 

@@ -284,6 +284,7 @@ def solved(tokenizer, item: Item, predicted) -> bool:
                          f"{len(item.answer)}")
     for i, (token, scored) in enumerate(zip(predicted, item.scored)):
         spelled = tokenizer.decode([token])
-        if scored and not (spelled and tokenizer.decode(item.answer[i:]).startswith(spelled)):
+        rest = tokenizer.decode(item.answer[i:])
+        if scored and not (spelled and rest.startswith(spelled)):
             return False
     return True

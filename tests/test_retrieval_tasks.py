@@ -85,9 +85,8 @@ def test_variable_tracking_answer_is_every_variable_holding_the_value(
     context = context_of(tokenizer, item)
     value = re.search(r"hold the value (\d+)\?", tokenizer.decode(item.prompt)).group(1)
     holds = collections.defaultdict(list)  # value or variable -> variables assigned it
-    for number, variable, target in re.findall(
-            r"^[ \t]*(?:The value (\d+) is assigned to|VAR (\w+) is copied to) VAR (\w+)\.$",
-            context, re.M):
+    line = r"^[ \t]*(?:The value (\d+) is assigned to|VAR (\w+) is copied to) VAR (\w+)\.$"
+    for number, variable, target in re.findall(line, context, re.M):
         holds[number or variable].append(target)
     found, frontier = [], [value]
     while frontier:  # the variables reached from the value, in chain order
