@@ -67,9 +67,10 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One prompt of a task: token ids `prompt` and `answer` (the answer follows the
-    prompt), `scored` (per answer token, whether it belongs to one of the answer's parts
-    rather than a separator), the answer's text, and the inserted facts in prompt order."""
+    """One prompt of a task: token ids (ints) `prompt` and `answer` (the answer follows
+    the prompt), `scored` (per answer token, whether it belongs to a scored piece rather
+    than to the format between), the answer's text, and the inserted facts in prompt
+    order."""
 
     task: str
     seed: tuple[int, ...]
@@ -183,8 +184,9 @@ TASKS = {"multi-key": multi_key, "variable-tracking": variable_tracking,
 # --- prompts ---------------------------------------------------------------------------
 
 class Haystack:
-    """A text's token ids and the positions where its lines begin (after a token that
-    holds a newline), where facts go."""
+    """A text's token ids (`tokens`, ints) and the positions where its lines begin, after
+    a token that holds a newline (`line_starts`, int64 `[lines]`, ascending): where facts
+    go."""
 
     def __init__(self, tokenizer, tokens: list[int]):
         newline = {t for t in set(tokens) if "\n" in tokenizer.decode([t])}
@@ -202,7 +204,7 @@ def tokens(tokenizer, text: str) -> list[int]:
 
 def frame(tokenizer, task: Task, form: str):
     """Token ids before the text and after it (up to the answer), the answer's, and
-    whether each answer token is scored (belongs to a part, not to a separator)."""
+    whether each answer token is scored (belongs to a scored piece, not to the format)."""
     if form not in FORMATS:
         raise ValueError(f"form must be one of {FORMATS}, got {form!r}")
     user = f"{task.instruction}\n\n{CONTEXT}\n\n{task.question}"
