@@ -121,8 +121,9 @@ def markdown(records: list[dict], command: str) -> str:
              f"{r['text']}, {r['length']} tokens per prompt and answer, items per task: "
              f"{r['items']}, {r['form']} prompts, {r['dtype']}, {r['device']}, "
              f"{r['date']}, commit {r['commit']}; {r['versions']}", "",
-             "Accuracy: items solved (every scored answer token the most likely, "
-             "`bench.retrieval_tasks.solved`), change against dense in points. Log-prob: "
+             "Accuracy: items solved (every scored answer token the most likely, or a "
+             "shorter spelling of it: `bench.retrieval_tasks.solved`), change against "
+             "dense in points. Log-prob: "
              "the scored answer tokens' summed log-probability, mean over items, change "
              "against dense on the same items.", "",
              "| setting | density | " + " | ".join(f"{t} accuracy | {t} log-prob"
