@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     first = records[0]
     fig.suptitle(f"Retrieval, SmolLM2-135M-Instruct, {first['length']} tokens of "
-                 f"{first['text']}, {first['device']}, {first['date']}")
+                 f"{first['text']}, {first['gpu']}, {first['date']}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

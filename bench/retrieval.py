@@ -17,8 +17,8 @@ prompt + answer:
   and heads.
 
     python -m bench.retrieval --text licenses --calibrate-on python-docs \\
-        --json bench/results/retrieval.json --md bench/results/retrieval.md
-    python -m bench.plot_retrieval bench/results/retrieval.json bench/results/retrieval.png
+        --json RECORDS.json --md RECORD.md
+    python -m bench.plot_retrieval RECORDS.json PLOT.png
     python -m bench.retrieval --smoke        # CPU-sized: 512 tokens, 2 items, block 64
     python -m bench.retrieval --settings dense --items 3 --device cpu   # dense's check
 """
@@ -40,6 +40,8 @@ from bench.common import commit, log, today, versions, write_outputs
 
 TARGET_POINTS = 2.0  # the defaults' accuracy should stay within this of dense's
 ITEMS = 50  # per task by default: one item is 2 points, TARGET_POINTS
+# what identifies a record's row (bench.common.merge_json); "gpu" is the device's name
+RETRIEVAL_KEY = ("setting", "task", "text", "gpu")
 DENSE = model_quality.Setting("dense", "dense")
 CALIBRATE_RULES = ("estimate", "sampled-rows", "oracle")  # model_quality.calibrated's
 
@@ -119,7 +121,7 @@ def markdown(records: list[dict], command: str) -> str:
     tasks = list(dict.fromkeys(x["task"] for x in records))
     lines = [f"`{command}`", "",
              f"{r['text']}, {r['length']} tokens per prompt and answer, items per task: "
-             f"{r['items']}, {r['form']} prompts, {r['dtype']}, {r['device']}, "
+             f"{r['items']}, {r['form']} prompts, {r['dtype']}, {r['gpu']}, "
              f"{r['date']}, commit {r['commit']}; {r['versions']}", "",
              "Accuracy: items solved (every scored answer token the most likely, or a "
              "shorter spelling of it: `bench.retrieval_tasks.solved`), change against "
@@ -216,7 +218,7 @@ def main(argv=None) -> None:
                         *(sys.argv[1:] if argv is None else argv)])
     # what ran and where, taken before the run (the checkout may change during it)
     stamp = {"text": args.text, "length": length, "form": args.form, "seed": args.seed,
-             "device": device.device_kind, "dtype": jnp.dtype(dtype).name, "date": today(),
+             "gpu": device.device_kind, "dtype": jnp.dtype(dtype).name, "date": today(),
              "versions": versions(), "commit": commit(), "command": command}
     with jax.default_device(device):
         model = model_quality.Model(dtype)
@@ -236,7 +238,7 @@ def main(argv=None) -> None:
         records = run(model, settings, task_items)
     for r in records:
         r.update(stamp)
-    write_outputs(records, markdown(records, command), args.json, args.md)
+    write_outputs(records, markdown(records, command), args.json, args.md, RETRIEVAL_KEY)
 
 
 if __name__ == "__main__":

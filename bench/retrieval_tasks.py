@@ -15,13 +15,9 @@ A is copied to VAR B", "Word: W"), and only their numbers, names and words are s
 (`solved`): SmolLM2-135M-Instruct writes its own format where an answer's format is free
 (a blank line first, "and" between names), which says nothing about retrieval.
 
-Simpler than RULER's, so that dense attention on that model solves most items (checked
-on the CPU, float32, 2026-12-07, 3 to 8 items per variant at 2K and 7K tokens): written
-"VAR B = VAR A." (RULER's form), no chain was followed to its second variable; between
-two chains of random capital-letter names, the wrong chain was named most often; no
-three most frequent words came out in order. Nouns as variable names were found more
-often than made-up words, single assignments as distractors more often than distractor
-chains. `variable_tracking` and `common_words` take harder shapes as arguments.
+Simpler than RULER's, so that dense attention on that model solves most items
+(docs/tuning.md: retrieval-task-forms); `variable_tracking` and `common_words` take
+harder shapes as arguments.
 
 Each item is a prompt and its answer, `length` tokens together, the answer last (a
 length that is a multiple of the block size puts the question and the answer in the last

@@ -26,7 +26,7 @@ def test_smoke_run_records_every_setting_and_task(tmp_path):
         (s, t) for s in ("dense", "xattention defaults") for t in tasks]
     for r in records:
         assert r["length"] == 512 and r["items"] == len(r["per_item"]) == 1
-        assert r["device"] == "cpu" and r["dtype"] == "float32" and r["date"]
+        assert r["gpu"] == "cpu" and r["dtype"] == "float32" and r["date"]
         assert r["command"].startswith("python -m bench.retrieval --smoke")
         assert "jax" in r["versions"] and "commit" in r
         item = r["per_item"][0]
