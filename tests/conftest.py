@@ -121,6 +121,35 @@ def pytest_runtest_makereport(item, call):
                 ("random seed", f"seed={seeds[-1]}; reproduce with {SEED_ENV}={seeds[-1]}"))
 
 
+# --- the slow cases ----------------------------------------------------------------------
+
+# parameter values naming a kernel implementation, or its interpret mode, as the tests
+# parametrize them: off a GPU those run in Pallas' interpret modes
+INTERPRETED = ("triton", "mosaic", "interpret")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Off a GPU, every case of a kernel implementation (a parameter naming one of
+    INTERPRETED, as the `impl` fixtures and the tests' own parametrizations do) is marked
+    slow: Pallas interpret mode takes seconds per call. The README's `pytest -q` leaves
+    them out; `pytest -m slow` (and .ci/run) runs them."""
+    if on_gpu():
+        return
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        values = callspec.params.values() if callspec else ()
+        if any(isinstance(v, str) and v.split("/")[0] in INTERPRETED for v in values):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilation_caches():
+    """JAX's compiled functions dropped after each test module: one process runs the
+    whole suite, and their memory would otherwise only grow."""
+    yield
+    jax.clear_caches()
+
+
 # --- implementations -------------------------------------------------------------------
 
 _ref_block_sums = jax.jit(reference.block_sums, static_argnums=(2,),
@@ -264,9 +293,10 @@ def reference_impl() -> Impl:
     return Impl("reference")
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
+@pytest.fixture(params=["shardy", pytest.param("gspmd", marks=pytest.mark.slow)])
 def partitioner(request):
-    """Runs the test under one partitioner, restoring JAX's setting afterwards."""
+    """Runs the test under one partitioner, restoring JAX's setting afterwards (GSPMD,
+    JAX's earlier default, among the slow cases)."""
     before = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
     yield request.param

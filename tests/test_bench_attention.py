@@ -80,6 +80,7 @@ def test_a_wrong_conversion_is_reported(rand, monkeypatch):
     assert wrong["max_abs_error"] > 10 * flex.ATOL
 
 
+@pytest.mark.slow
 def test_smoke_run_records_every_row(tmp_path, capsys):
     """The SmolLM2 case has cuDNN's (on the CPU, XLA's) dense attention as a peer; each
     contiguous attention on a mask has a flex peer that agrees with it (where torch has

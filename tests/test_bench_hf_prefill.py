@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 from bench import hf_prefill, smollm2  # noqa: E402
 
 
+@pytest.mark.slow
 def test_smoke_run_records_every_row(tmp_path, capsys):
     reason = smollm2.missing()
     if reason:

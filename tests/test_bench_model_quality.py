@@ -14,6 +14,7 @@ from bench import model_quality, plot_model_quality, smollm2  # noqa: E402
 from xattn_jax.calibrate import THRESHOLDS  # noqa: E402
 
 
+@pytest.mark.slow
 def test_smoke_run_records_every_setting(tmp_path):
     reason = smollm2.missing()
     if reason:

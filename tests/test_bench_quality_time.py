@@ -93,6 +93,7 @@ def test_the_whole_call_is_xattentions(estimate):
     np.testing.assert_allclose(np.asarray(whole), np.asarray(out), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_a_row_per_part(tmp_path):
     out = tmp_path / "quality_time.json"
     scales = ("smollm2-135m-256", "llama-3.1-8b-1k")

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from bench import plot_retrieval, retrieval, retrieval_tasks, smollm2  # noqa: E402
 
 
+@pytest.mark.slow
 def test_smoke_run_records_every_setting_and_task(tmp_path):
     reason = smollm2.missing()
     if reason:

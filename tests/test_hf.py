@@ -336,6 +336,7 @@ def hidden_of(model, implementation: str, tokens) -> torch.Tensor:
         return model.model(tokens).last_hidden_state
 
 
+@pytest.mark.slow
 def test_the_real_model(smollm2_model, rand):
     """SmolLM2-135M (30 layers, 9 query heads reading 3, D 64) on a 256-token prompt:
     sdpa's hidden states where every block is kept; fewer blocks at 0.9, every layer

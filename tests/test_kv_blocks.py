@@ -121,6 +121,7 @@ def test_selection_rules_by_construction():
     assert traced(scores, jnp.asarray([5])).tolist() == [[True, True, True, False, True, False]]
 
 
+@pytest.mark.slow
 def test_ranking_by_pairs_is_the_sorted_rule(seed):
     """Up to RANK_BY_PAIRS_MAX_BLOCKS blocks the selection ranks blocks by pairwise
     comparison: the same blocks as `reference.take_descending` (sorting), ties to the

@@ -362,6 +362,7 @@ def _whole(plan, **fields):
     (300, 300, 2, 16, 64, 5 / 6), (4096, 8192, 8, 128, 256, 14 / 16),
     (16384, 16384, 8, 2048, 256, 9 / 16), (8192, 8192, 8, 64, 256, 5 / 8),
 ])
+@pytest.mark.slow
 def test_folded_statistics_hold_each_seen_tile_once(q_len, k_len, stride, block_size,
                                                     block_k, share, rand):
     """Folded statistics: every key tile a row tile sees has its own slot and rows within

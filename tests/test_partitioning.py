@@ -159,6 +159,7 @@ def test_sequence_or_head_dim_sharding_is_gathered(partitioner, axis):
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 4), (8, 2)], ids=["whole-groups",
                                                                     "inside-group"])
+@pytest.mark.slow
 def test_triton_interpret_partitions(partitioner, q_heads, kv_heads):
     out, whole, on_shard, collectives, _ = _run_estimate(
         "heads4", q_heads, kv_heads, "triton",

@@ -136,6 +136,7 @@ def test_small_pages_select_whole_units(rand, page):
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
                          ids=lambda p: f"page{p}")
+@pytest.mark.slow
 def test_defaults_work_for_every_page_size(rand, page):
     """XAttentionPolicy() on caches of 16- to 4096-token pages: units of 1024 tokens up to
     1024-token pages, one page above; the reference's pages either way."""
@@ -203,6 +204,7 @@ def test_zero_copy(rand, monkeypatch):
                               3 * BS]
 
 
+@pytest.mark.slow
 def test_one_computation_one_read_no_upload(rand, monkeypatch):
     """After the first call: one jitted computation, one device-to-host read (torch's),
     no host-to-device transfer (the table travels through the cache's buffer, the token
@@ -221,6 +223,7 @@ def test_one_computation_one_read_no_upload(rand, monkeypatch):
     assert len(reads) == 2 and policy_module._selection._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_max_context_compiles_once_and_selects_alike(rand, monkeypatch):
     """With max_context every table has its width: contexts of 1 to 6 blocks (powers of
     two 1 to 8 without it) compile the selection once, and select what the policy

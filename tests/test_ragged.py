@@ -232,6 +232,7 @@ def test_traced_offsets_are_checked_in_checked_mode(rand):
         err.throw()
 
 
+@pytest.mark.slow
 def test_triton_block_sums_equal_the_reference_in_interpret_mode(rand):
     from xattn_jax.ragged.checks import check_step
     from xattn_jax.ragged.layout import ragged_blocks
@@ -363,6 +364,7 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
                                rtol=2e-2, atol=2e-2, err_msg=str(rand))
 
 
+@pytest.mark.slow
 def test_triton_selection_with_row_diagonals_equals_the_reference(rand):
     from xattn_jax.reference.estimate import select_blocks as reference_select
     from xattn_jax.triton import select_blocks as triton_select
@@ -378,6 +380,7 @@ def test_triton_selection_with_row_diagonals_equals_the_reference(rand):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(rand))
 
 
+@pytest.mark.slow
 def test_triton_step_equals_the_reference_in_interpret_mode(rand):
     """The whole call with the Triton-backend estimate (block sums and selection)."""
     step = make_step(rand.rng, [(64, 96), (1, 20), (40, 72)], head_dim=32)

@@ -105,6 +105,7 @@ def _stored_rows(slots: np.ndarray, plan):
             yield slot, w, load + rows, position + rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", WALK_STEPS, ids=lambda s: s.id)
 def test_work_table_follows_the_reference_semantics(rand, step):
     arrays = step_arrays(step, rand.rng)

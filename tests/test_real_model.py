@@ -25,6 +25,8 @@ import xattn_jax  # noqa: E402
 import xattn_torch_bridge as bridge  # noqa: E402
 from bench import llama, smollm2, texts  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the real model, loaded and run in float32 on the CPU
+
 LENGTH, BLOCK, STRIDE, THRESHOLD = 256, 32, 8, 0.9
 # float32 forwards that sum in different orders, over 30 layers: logits of magnitude ~20
 ATOL = 2e-3
