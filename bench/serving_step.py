@@ -104,9 +104,11 @@ class Step:
     """A built step: the packed arguments, and each request's contiguous q, k, v."""
 
     shape: StepShape
-    args: tuple  # q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs
-    decode_seqs: int
-    requests: list  # (q [1, Hq, Lq, D], k, v [1, Hkv, Lk, D]) per sequence, decode first
+    page_size: int
+    args: tuple = ()  # q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs
+    decode_seqs: int = 0
+    requests: list = dataclasses.field(default_factory=list)  # (q [1, Hq, Lq, D], k, v
+    # [1, Hkv, Lk, D]) per sequence, decode first; none for the dense rate alone
 
 
 def _request(shape: StepShape, q_len: int, context: int, seed: int, dtype):
@@ -158,7 +160,7 @@ def build_step(shape: StepShape, page_size: int, dtype=jnp.bfloat16) -> Step:
     args = (q, *caches, jnp.asarray([c for _, c in lengths], jnp.int32), jnp.asarray(table),
             jnp.asarray(cu), jnp.int32(len(lengths)))
     log(f"{shape.name}: {len(lengths)} requests, {num_pages} pages of {page_size} built")
-    return Step(shape, args, len(shape.decodes), requests)
+    return Step(shape, page_size, args, len(shape.decodes), requests)
 
 
 def ragged_mask_call(step: Step, impl: str):
@@ -236,7 +238,7 @@ def dense_pairs(shape: StepShape) -> float:
 
 def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> list[dict]:
     shape, out = step.shape, []
-    name = f"{shape.name}-page{step.args[1].shape[1]}"  # the cache's page size
+    name = f"{shape.name}-page{step.page_size}"
     rate = (tflops * 1e12) if tflops else MATMUL_FLOPS
     estimate_flops = sum(strided_flops(shape.q_heads, q, c, STRIDE, shape.head_dim, True)
                          for q, c in shape.chunks)
@@ -376,9 +378,9 @@ def main(argv=None) -> None:
     tflops = matmul_tflops()
     records = []
     for name in args.steps.split(","):
-        # the dense rate needs no step: a stand-in without requests
+        # the dense rate alone needs no step built
         step = build_step(shapes[name], args.page_size) if args.rows != "dense-rate" else \
-            Step(shapes[name], (None, jnp.zeros((1, args.page_size))), 0, [])
+            Step(shapes[name], args.page_size)
         for row in args.rows.split(","):  # one row group at a time: a failure is logged
             try:
                 records += run_step(step, {row}, args.impl, tflops)

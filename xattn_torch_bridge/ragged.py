@@ -140,13 +140,13 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"out must be q's shape {tuple(q.shape)}, dtype {q.dtype} and "
                          f"device {q.device}, got {tuple(out.shape)} {out.dtype} {out.device}")
     place = next(iter(places))
-    queries, meta = _padded_step(checked["q"][0], cu_seqlens_q, seqused_k, block_table)
+    slots = next_pow2(requests)
+    queries, meta = _padded_step(checked["q"][0], cu_seqlens_q, seqused_k, block_table, slots)
     meta = place_of(meta, "the step's offsets", False, (torch.int32,))[0]
     views = views_for_one_computation(place, queries, meta,
                                       persistent=(checked["k"][0], checked["v"][0]))
     run = _compiled(softmax_scale, block_size, stride, min_blocks, dense_last,
-                    impls.resolve_ragged(impl, device=place.jax_device),
-                    seqused_k.shape[0] and next_pow2(seqused_k.shape[0]))
+                    impls.resolve_ragged(impl, device=place.jax_device), slots)
     result = to_torch(run(views[0], *views[2:], views[1], _threshold(threshold, q.shape[1],
                                                                      place)))
     result = result[:q.shape[0]]
@@ -168,14 +168,14 @@ def _device_threshold(threshold: float, q_heads: int, device):
     return jax.device_put(threshold_per_head(threshold, q_heads), device)
 
 
-def _padded_step(q, cu_seqlens_q, seqused_k, block_table):
+def _padded_step(q, cu_seqlens_q, seqused_k, block_table, slots: int):
     """The step padded to its bucket, on its device: q to `token_bucket(T)` rows (the
     padding rows belong to no request; q itself where it fills its bucket), and the
-    offsets in one int32 tensor (a fresh one): cu_seqlens_q `[S' + 1]`, seqused_k `[S']`
-    and the table `[S', W']` flattened, the requests padded to S' (a power of two) with
+    offsets in one int32 tensor (a fresh one): cu_seqlens_q `[slots + 1]`, seqused_k
+    `[slots]` and the table `[slots, W']` flattened, the requests padded to `slots` with
     empty ones, the table's width to W' (a power of two)."""
     tokens, requests, width = q.shape[0], seqused_k.shape[0], block_table.shape[1]
-    slots, columns = next_pow2(requests), next_pow2(width)
+    columns = next_pow2(width)
     if token_bucket(tokens) > tokens:
         q = F.pad(q, (0, 0, 0, 0, 0, token_bucket(tokens) - tokens))
     table = F.pad(block_table, (0, columns - width, 0, slots - requests))
