@@ -51,8 +51,9 @@ def test_forward_calls_are_unchanged(name):
     """jit, vmap and inputs without tangent (stop_gradient) run the forward call."""
     f = CALLS[name]
     want = np.asarray(f(Q))
-    np.testing.assert_array_equal(np.asarray(jax.jit(f)(Q)), want)
-    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(Q[None]))[0], want)
+    # jit may fuse the float32 sums in another order: equal to rounding, not bit for bit
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(Q)), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.vmap(f)(Q[None]))[0], want, rtol=1e-6, atol=1e-6)
     grad = jax.grad(lambda q: f(jax.lax.stop_gradient(q)).sum() + q.sum())(Q)
     np.testing.assert_array_equal(np.asarray(grad), np.ones(Q.shape, np.float32))
 
