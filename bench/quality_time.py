@@ -60,7 +60,8 @@ from bench.common import (Sizes, floor_ms, log, matmul_tflops, record, report,  
                           strided_flops, time_ms, write_outputs)
 from xattn_jax import (block_sparse_attention, sampled_block_mass, select_blocks,  # noqa: E402
                        xattn_estimate)
-from xattn_jax.sampled_rows import ROWS, sampled_positions  # noqa: E402
+from xattn_jax.defaults import SAMPLED_ROWS  # noqa: E402
+from xattn_jax.sampled_rows import sampled_positions  # noqa: E402
 
 QUALITY = pathlib.Path(__file__).parent / "results" / "model_quality.json"
 TEXT = "licenses"  # the text the settings were checked on, not chosen on
@@ -165,7 +166,7 @@ def antidiagonal_flops(sz: Sizes, length: int, stride: int) -> float:
 def sampled_rows_flops(sz: Sizes, length: int, stride: int) -> float:
     """2 D FLOPs per visible key of every sampled row (the product; not the softmax)."""
     del stride
-    visible = sampled_positions(length, sz.block, ROWS).astype(np.int64) + 1
+    visible = sampled_positions(length, sz.block, SAMPLED_ROWS).astype(np.int64) + 1
     return 2.0 * sz.head_dim * sz.q_heads * float(visible.sum())
 
 

@@ -4,7 +4,8 @@ against dense attention, on the GPU.
 
     python -m bench.serving_step [--steps long-prefill,short-chunks] [--page-size 128]
                                  [--rows estimate,step,loop,dense] [--impl auto]
-                                 [--json PATH] [--md PATH] [--smoke]
+                                 [--estimate antidiagonal] [--json PATH] [--md PATH]
+                                 [--smoke]
 
 Steps (bf16, structured synthetic chunks from `xattn_jax.demo.synthetic`: sinks, a local
 window, stripes; random decode rows and values):
@@ -26,10 +27,17 @@ Rows (median device time, `bench.common.time_ms`):
 - `dense` cuDNN's dense causal attention per request, summed; `dense-causal-{n}k` one
   whole causal cuDNN call of the step's shapes (queries = keys), whose pairs per
   microsecond are the dense rate the attention's (`ragged-attention`) is held to;
+- `flex` FlexAttention (torch, compiled on a GPU) on the ragged step's own mask as one
+  BlockMask over the step laid out block by block (`bench.flex_ragged`), checked against
+  `ragged-attention`'s output (`max_abs_error`, `wrong_blocks`, `agrees`);
 - `bridged` the torch call (`xattn_torch_bridge.ragged_xattention`, the step padded to its
-  bucket) and the plain call's host times, launches and waits included.
+  bucket) and the plain call's host times, launches and waits included; `padded_host_ms`
+  the plain call of the bridge's own padded step (its bucket's extra rows and slots):
+  the bridge's overhead is `host_ms` less that.
 Each chunk's ragged mask rows are compared with its own `xattention` mask (`mask_diff`:
-blocks that differ, from float rounding near the threshold).
+blocks that differ, from float rounding near the threshold). `--estimate sampled-rows`
+selects on sampled rows in the ragged step and the loop's `xattention` alike (cases
+named `..-sampled-rows`; no `loop-estimate` row or mask comparison).
 floor_ms: 4 * D * (kept causal pairs) FLOPs at the same run's matmul rate, plus the
 strided product of the estimated chunks. `--smoke` shrinks everything to run on a CPU.
 """
@@ -47,16 +55,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import flex, flex_ragged  # noqa: E402
 from bench.common import (MATMUL_FLOPS, latency_ms, log, matmul_tflops,  # noqa: E402
                           merge_json, record, report, strided_flops, time_ms,
                           write_outputs)
 from xattn_jax import ragged_xattention, xattention, xattn_estimate  # noqa: E402
-from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, THRESHOLD  # noqa: E402
+from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, SAMPLED_ROWS, THRESHOLD  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
-from xattn_jax.geometry import cdiv  # noqa: E402
+from xattn_jax.geometry import cdiv, next_pow2  # noqa: E402
 from xattn_jax import impls  # noqa: E402
 from xattn_jax.ragged.api import ragged_mask  # noqa: E402
 from xattn_jax.ragged.checks import check_step  # noqa: E402
+from xattn_jax.ragged.geometry import RaggedSampledGeometry  # noqa: E402
 from xattn_jax.ragged.layout import ragged_blocks  # noqa: E402
 
 BLOCK, STRIDE = 128, 8
@@ -163,18 +173,20 @@ def build_step(shape: StepShape, page_size: int, dtype=jnp.bfloat16) -> Step:
     return Step(shape, page_size, args, len(shape.decodes), requests)
 
 
-def ragged_mask_call(step: Step, impl: str):
+def ragged_mask_call(step: Step, impl: str, estimate: str):
     """The ragged step's estimate alone (layout, block sums, selection), jitted."""
     geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
-    estimate = impls.resolve_ragged(impl, step.args[0]).for_step(geom,
-                                                                  step.args[0].dtype).estimate
+    scores = geom if estimate == "antidiagonal" else RaggedSampledGeometry.of(
+        geom, SAMPLED_ROWS, geom.head_dim ** -0.5)
+    backend = impls.resolve_ragged(impl, step.args[0]).for_step(
+        geom, step.args[0].dtype, estimate_geom=scores).estimate
     threshold = jnp.full((geom.q_heads,), THRESHOLD, jnp.float32)
 
     @jax.jit
     def call(q, k, v, kv_lens, table, cu, num_seqs):
         blocks = ragged_blocks(cu, kv_lens, num_seqs, jnp.int32(step.decode_seqs), geom)
-        return ragged_mask(q, k, table, blocks, threshold, geom, estimate=estimate, norm=1.0,
-                           min_blocks=MIN_BLOCKS, dense_last=DENSE_LAST)
+        return ragged_mask(q, k, table, blocks, threshold, scores, estimate=backend,
+                           norm=1.0, min_blocks=MIN_BLOCKS, dense_last=DENSE_LAST)
 
     return call
 
@@ -236,9 +248,12 @@ def dense_pairs(shape: StepShape) -> float:
     return shape.q_heads * sum(q * (c - q) + q * (q + 1) / 2 for q, c in lengths)
 
 
-def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> list[dict]:
+def run_step(step: Step, rows: set[str], impl: str, tflops: float | None,
+             estimate: str = "antidiagonal") -> list[dict]:
     shape, out = step.shape, []
     name = f"{shape.name}-page{step.page_size}"
+    if estimate != "antidiagonal":
+        name += f"-{estimate}"
     rate = (tflops * 1e12) if tflops else MATMUL_FLOPS
     estimate_flops = sum(strided_flops(shape.q_heads, q, c, STRIDE, shape.head_dim, True)
                          for q, c in shape.chunks)
@@ -251,8 +266,11 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> lis
         log(f"{row['case']} {impl_name}: {ms:.3f} ms")
 
     chunk_requests = step.requests[step.decode_seqs:]
-    if "estimate" in rows:
-        call = ragged_mask_call(step, impl)
+    if "estimate" in rows and estimate != "antidiagonal":
+        call = ragged_mask_call(step, impl, estimate)
+        add("ragged-estimate", impl, time_ms(call, [step.args]), estimate_flops)
+    elif "estimate" in rows:
+        call = ragged_mask_call(step, impl, estimate)
         mask = call(*step.args)
         ms = time_ms(call, [step.args])
         masks = {}
@@ -269,7 +287,8 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> lis
     if "step" in rows:
         call = jax.jit(lambda *a: ragged_xattention(*a, decode_seqs=step.decode_seqs,
                                                     block_size=BLOCK, stride=STRIDE,
-                                                    return_mask=True, impl=impl))
+                                                    return_mask=True, impl=impl,
+                                                    estimate=estimate))
         _, mask = call(*step.args)
         pairs = kept_pairs(mask.blocks, step)
         flops = 4 * shape.head_dim * pairs + estimate_flops
@@ -281,8 +300,8 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> lis
         add("ragged-attention", impl, ms, 4 * shape.head_dim * pairs,
             pairs_per_us=round(pairs / ms / 1e3, 1))
     if "loop" in rows or "dense" in rows:
-        chunk_calls = [jax.jit(lambda q, k, v: xattention(q, k, v, block_size=BLOCK,
-                                                           stride=STRIDE))] * len(chunk_requests)
+        chunk_calls = [jax.jit(lambda q, k, v: xattention(
+            q, k, v, block_size=BLOCK, stride=STRIDE, estimate=estimate))] * len(chunk_requests)
         dense = jax.jit(lambda q, k, v: _dense(*(x.transpose(0, 2, 1, 3)
                                                  for x in (q, k, v))))
         if "loop" in rows:
@@ -299,6 +318,8 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None) -> lis
             pairs = dense_pairs(shape)
             add("dense", "cudnn", ms, 4 * shape.head_dim * pairs,
                 pairs_per_us=round(pairs / ms / 1e3, 1))
+    if "flex" in rows:
+        flex_row(step, impl, estimate, add)
     if "bridged" in rows:
         out += bridged_rows(step, impl, add)
     if "dense-rate" in rows:
@@ -329,6 +350,32 @@ def ragged_attention_call(step: Step, impl: str, mask: jax.Array):
     return call
 
 
+def flex_row(step: Step, impl: str, estimate: str, add) -> None:
+    """FlexAttention on the ragged step's mask, checked against our attention on it."""
+    geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
+    _, mask = jax.jit(lambda *a: ragged_xattention(
+        *a, decode_seqs=step.decode_seqs, block_size=BLOCK, stride=STRIDE, return_mask=True,
+        impl=impl, estimate=estimate))(*step.args)
+    ours = ragged_attention_call(step, impl, mask.blocks)(*step.args)
+    blocks = ragged_blocks(step.args[5], step.args[3], step.args[6],
+                           jnp.int32(step.decode_seqs), geom)
+    q, k, v, _, table = step.args[:5]
+    compiled = jax.default_backend() == "gpu"
+    call, unpacked, wrong = flex_ragged.peer_call(q, k, v, table, mask.blocks, blocks,
+                                                  geom, compiled)
+    got = np.asarray(unpacked(call()), np.float32)
+    want = np.asarray(ours, np.float32)
+    error = float(np.abs(got - want).max())
+    agrees = wrong == 0 and bool((np.abs(got - want) <= flex.ATOL + flex.RTOL
+                                  * np.abs(want)).all())
+    device = flex_ragged.torch_device(q)
+    ms = flex.time_ms(call, device, warmup=3, reps=20 if compiled else flex.EAGER_REPS)
+    pairs = kept_pairs(mask.blocks, step)
+    add("flex", flex.IMPL, ms, 4 * step.shape.head_dim * pairs,
+        pairs_per_us=round(pairs / ms / 1e3, 1), max_abs_error=round(error, 5),
+        wrong_blocks=wrong, agrees=agrees, mode="compiled" if compiled else "eager")
+
+
 def bridged_rows(step: Step, impl: str, add) -> list:
     """The torch call (`xattn_torch_bridge.ragged_xattention`) against the plain JAX call
     on the same step: host time per call, launches and waits included."""
@@ -353,6 +400,9 @@ def bridged_rows(step: Step, impl: str, add) -> list:
                                                  impl=impl))
     jax.block_until_ready(plain(*step.args))
     plain_ms = latency_ms(plain, [step.args])
+    padded, padded_args = padded_call(step, impl, q, kv_lens, table, cu)
+    jax.block_until_ready(padded(*padded_args))
+    padded_ms = latency_ms(padded, [padded_args])
     reps = []
     for _ in range(20):
         start = time.perf_counter()
@@ -360,16 +410,35 @@ def bridged_rows(step: Step, impl: str, add) -> list:
         reps.append(1e3 * (time.perf_counter() - start))
     bridged_ms = float(np.median(reps))
     add("bridged", impl, bridged_ms, 0.0, host_ms=round(bridged_ms, 4),
-        plain_host_ms=round(plain_ms, 4))
+        plain_host_ms=round(plain_ms, 4), padded_host_ms=round(padded_ms, 4))
     return []
+
+
+def padded_call(step: Step, impl: str, q, kv_lens, table, cu):
+    """The JAX computation the bridge runs (`xattn_torch_bridge.ragged._compiled`: the
+    step padded to its bucket) and its arguments as JAX arrays, to time without the
+    bridge: the bridge's own host time is `bridged` less this."""
+    from xattn_torch_bridge import ragged as bridge_ragged, to_jax
+    from xattn_jax.checks import threshold_per_head
+
+    slots = next_pow2(kv_lens.shape[0])
+    queries, meta = bridge_ragged._padded_step(q, cu, kv_lens, table, slots)
+    run = bridge_ragged._compiled(None, BLOCK, STRIDE, MIN_BLOCKS, DENSE_LAST, "antidiagonal",
+                                  impls.resolve_ragged(impl, step.args[0]), slots)
+    threshold = threshold_per_head(THRESHOLD, step.shape.q_heads)
+    return run, (to_jax(queries, copy=True), step.args[1], step.args[2],
+                 to_jax(meta, copy=True), threshold)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", default="long-prefill,short-chunks")
     parser.add_argument("--page-size", type=int, default=128)
-    parser.add_argument("--rows", default="estimate,step,loop,dense,dense-rate,bridged")
+    parser.add_argument("--rows",
+                        default="estimate,step,loop,dense,dense-rate,flex,bridged")
     parser.add_argument("--impl", default="auto")
+    parser.add_argument("--estimate", default="antidiagonal",
+                        choices=("antidiagonal", "sampled-rows"))
     parser.add_argument("--json")
     parser.add_argument("--md")
     parser.add_argument("--smoke", action="store_true")
@@ -383,7 +452,7 @@ def main(argv=None) -> None:
             Step(shapes[name], args.page_size)
         for row in args.rows.split(","):  # one row group at a time: a failure is logged
             try:
-                records += run_step(step, {row}, args.impl, tflops)
+                records += run_step(step, {row}, args.impl, tflops, args.estimate)
             except Exception as error:  # noqa: BLE001 (the run goes on to the next rows)
                 log(f"{name} {row}: FAILED {type(error).__name__}: {error}")
             if args.json and records:

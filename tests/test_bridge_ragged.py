@@ -40,11 +40,21 @@ def test_equals_the_jax_call_and_writes_out(rand):
     np.testing.assert_allclose(out.numpy(), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+def test_sampled_rows_equal_the_jax_call(rand):
+    step = make_step(rand.rng, [(64, 100), (1, 30), (40, 72)])
+    tensors, meta = _torch_args(step)
+    result = xb.ragged_xattention(**tensors, **meta, block_size=BLOCK,
+                                  estimate="sampled-rows")
+    want = xattn_jax.ragged_xattention(*step.args(), block_size=BLOCK, impl="reference",
+                                       estimate="sampled-rows")
+    np.testing.assert_allclose(result.numpy(), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def test_one_compilation_per_bucket(rand):
     """Steps of 100 rows and 3-4 live requests over one cache pad to one bucket (112
     rows, 4 slots, 4 table columns)."""
     compiled = bridge_ragged._compiled(None, BLOCK, 8, defaults.MIN_BLOCKS,
-                                       defaults.DENSE_LAST,
+                                       defaults.DENSE_LAST, "antidiagonal",
                                        impls.resolve_ragged("auto", device=jax.devices("cpu")[0]),
                                        4)
     before = compiled._cache_size()
@@ -94,6 +104,8 @@ def test_bad_tensors_name_the_argument(rand):
         xb.ragged_xattention(**tensors, **dict(meta, cu_seqlens_q=meta["cu_seqlens_q"][:-1]))
     with pytest.raises(TypeError, match="max_seqlen_q"):
         xb.ragged_xattention(**tensors, **dict(meta, max_seqlen_q=None))
+    with pytest.raises(ValueError, match="estimate"):
+        xb.ragged_xattention(**tensors, **meta, estimate="exact")
 
 
 def test_a_paged_cache_builds_the_step(rand):

@@ -133,6 +133,57 @@ def test_unaligned_chunks_follow_the_partial_block_rule(rand, lengths):
         assert not got[:, :, want.shape[-1]:].any()
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 4), page_size=st.sampled_from([8, 48]))
+def test_sampled_rows_each_sequence_equals_its_own_call(seed, count, page_size):
+    """estimate="sampled-rows": aligned chunks select and attend as `xattention` with the
+    same estimate on that sequence alone."""
+    rng = np.random.default_rng(seed)
+    step = make_step(rng, random_lengths(rng, count, block_size=BLOCK, max_kv=200),
+                     page_size=page_size, spare_slots=1)
+    out, mask = _run(step, impl="reference", estimate="sampled-rows")
+    _check_step(step, out, mask, estimate="sampled-rows")
+
+
+def _sampled_expected(step, s, threshold):
+    """Sequence s's sampled-rows block scores `[1, Hq, blocks, KB]` and mask in float64:
+    16 rows per query block, the last of 16 equal parts of its positions inside the
+    chunk, each row's exact softmax summed per key block (docs/estimate.md)."""
+    q_len, kv_len = step.lengths[s]
+    q, k, _ = (npr.f64(x)[0] for x in step.sequence(s))
+    first, rows = kv_len - q_len, 16
+    k = np.repeat(k, q.shape[0] // k.shape[0], axis=0)
+    kb = -(-kv_len // BLOCK)
+    blocks = range(first // BLOCK, (kv_len - 1) // BLOCK + 1)
+    sums = np.zeros((1, q.shape[0], len(blocks), kb))
+    for i, b in enumerate(blocks):
+        low, high = max(b * BLOCK, first), min((b + 1) * BLOCK, kv_len)
+        for position in low + np.maximum(np.arange(1, rows + 1) * (high - low) // rows - 1, 0):
+            scores = k[:, :position + 1] @ q[:, position - first, :, None]  # [Hq, keys, 1]
+            p = np.exp(scores[..., 0] / np.sqrt(q.shape[-1]))
+            p = np.pad(p / p.sum(-1, keepdims=True), ((0, 0), (0, kb * BLOCK - position - 1)))
+            sums[0, :, i] += p.reshape(q.shape[0], kb, BLOCK).sum(-1)
+    return sums, npr.select(sums, threshold, causal=True)
+
+
+@pytest.mark.parametrize("lengths", [[(70, 150)], [(45, 90), (33, 200), (1, 9)]])
+def test_sampled_rows_of_unaligned_chunks_spread_over_the_chunk(rand, lengths):
+    """Chunks starting or ending inside a block: each block's sampled rows are spread
+    over its queries inside the chunk."""
+    step = make_step(rand.rng, lengths, page_size=16)
+    threshold = 0.8
+    _, mask = _run(step, impl="reference", threshold=threshold, min_blocks=0,
+                   dense_last=0, estimate="sampled-rows")
+    for s, (q_len, _) in enumerate(lengths):
+        if q_len < BLOCK:
+            continue
+        sums, want = _sampled_expected(step, s, threshold)
+        got = _rows_of(mask, s)
+        npr.assert_masks_agree(got[None, :, :, :want.shape[-1]], want, sums, threshold,
+                               causal=True)
+        assert not got[:, :, want.shape[-1]:].any()
+
+
 def test_decode_only_and_prefill_only_steps(rand):
     decode = make_step(rand.rng, [(1, 40), (1, 7), (1, 130)], spare_slots=1)
     _check_step(decode, *_run(decode, impl="reference", decode_seqs=3))
@@ -216,6 +267,10 @@ def test_bad_options_name_the_argument(rand):
         ragged_xattention(*step.args(), decode_seqs=1, **OPTIONS)
     with pytest.raises(ValueError, match="impl"):
         ragged_xattention(*step.args(), impl="cuda", **OPTIONS)
+    with pytest.raises(ValueError, match="estimate"):
+        ragged_xattention(*step.args(), estimate="exact", **OPTIONS)
+    with pytest.raises(ValueError, match="block_size must be at least 16"):
+        ragged_xattention(*step.args(), estimate="sampled-rows", block_size=8, stride=8)
 
 
 def test_traced_offsets_are_checked_in_checked_mode(rand):
@@ -233,8 +288,10 @@ def test_traced_offsets_are_checked_in_checked_mode(rand):
 
 
 @pytest.mark.slow
-def test_triton_block_sums_equal_the_reference_in_interpret_mode(rand):
+@pytest.mark.parametrize("estimate", ["antidiagonal", "sampled-rows"])
+def test_triton_block_sums_equal_the_reference_in_interpret_mode(rand, estimate):
     from xattn_jax.ragged.checks import check_step
+    from xattn_jax.ragged.geometry import RaggedSampledGeometry
     from xattn_jax.ragged.layout import ragged_blocks
     from xattn_jax.reference import ragged as reference_ragged
     from xattn_jax.triton import ragged_block_sums as triton_ragged
@@ -244,11 +301,13 @@ def test_triton_block_sums_equal_the_reference_in_interpret_mode(rand):
     geom, kv_lens, table, cu, num_seqs, decode = check_step(
         *step.args(), None, block_size=BLOCK, stride=STRIDE)
     blocks = ragged_blocks(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, decode, geom)
+    tiles = Tiles(block_q=16, block_k=16, block_d=16)
+    if estimate == "sampled-rows":  # 16 rows per block, key tiles of one block
+        geom, tiles = RaggedSampledGeometry.of(geom, 16, 0.3), Tiles(16, BLOCK, 16)
     want = reference_ragged.block_sums(jnp.asarray(step.q), jnp.asarray(step.k),
                                        jnp.asarray(table), blocks, geom, norm=1.0)
-    plan = triton_ragged.plan_ragged(
-        geom, step.q.dtype, interpret=True, programs=3,
-        tiles=Tiles(block_q=16, block_k=16, block_d=16))
+    plan = triton_ragged.plan_ragged(geom, step.q.dtype, interpret=True, programs=3,
+                                     tiles=tiles)
     got = triton_ragged.ragged_block_sums(jnp.asarray(step.q), jnp.asarray(step.k),
                                           jnp.asarray(table), blocks, plan=plan, norm=1.0)
     rows = np.asarray(blocks.estimated[blocks.row_seq] & blocks.row_live)
@@ -318,12 +377,15 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a C
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("page_size, fused", [(16, False), (128, True)])
-def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
+@pytest.mark.parametrize("page_size, fused, estimate", [(16, False, "antidiagonal"),
+                                                        (128, True, "antidiagonal"),
+                                                        (16, True, "sampled-rows")])
+def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused, estimate):
     """A bf16 step of Llama-like heads (Hq 32, Hkv 8, D 128, block 128): the auto
     implementation's block sums and output against the reference's."""
     from xattn_jax import impls
     from xattn_jax.ragged.checks import check_step
+    from xattn_jax.ragged.geometry import RaggedSampledGeometry
     from xattn_jax.ragged.layout import ragged_blocks
 
     lengths = [(1, 700), (1, 3000), (512, 2048), (700, 2500), (300, 300), (2048, 4096)]
@@ -336,18 +398,20 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
     geom, kv_lens, table, cu, num_seqs, decode = check_step(*args, None, **options)
     blocks = ragged_blocks(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, decode, geom)
     cache = ragged_api._fused_pairs(jnp.asarray(k)) if fused else jnp.asarray(k)
-    auto = impls.resolve_ragged("auto", jnp.asarray(step.q)).for_step(geom,
-                                                                      step.q.dtype).estimate
+    scores = geom if estimate == "antidiagonal" else RaggedSampledGeometry.of(
+        geom, 16, 128 ** -0.5)
+    auto = impls.resolve_ragged("auto", jnp.asarray(step.q)).for_step(
+        geom, step.q.dtype, estimate_geom=scores).estimate
     assert auto.name in ("mosaic", "triton")
     got, want = (impl.ragged_block_sums(jnp.asarray(step.q), cache, jnp.asarray(table),
-                                        blocks, geom, norm=1.0)
+                                        blocks, scores, norm=1.0)
                  for impl in (auto, impls.resolve("reference")))
     rows = np.asarray(blocks.estimated[blocks.row_seq] & blocks.row_live)
     np.testing.assert_allclose(np.asarray(got)[:, rows], np.asarray(want)[:, rows],
                                rtol=2e-4, atol=2e-5, err_msg=str(rand))
-    out, mask = ragged_xattention(*args, return_mask=True, **options)
+    out, mask = ragged_xattention(*args, return_mask=True, estimate=estimate, **options)
     want_out, want_mask = ragged_xattention(*args, return_mask=True, impl="reference",
-                                            **options)
+                                            estimate=estimate, **options)
     differ = np.asarray(mask.blocks != want_mask.blocks)
     assert differ.sum() <= 0.001 * differ.size, f"{differ.sum()} blocks differ; {rand}"
     same_rows = ~differ.any(axis=(0, 2))
@@ -362,6 +426,35 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused):
     np.testing.assert_allclose(np.asarray(out, np.float32)[token_rows],
                                np.asarray(want_out, np.float32)[token_rows],
                                rtol=2e-2, atol=2e-2, err_msg=str(rand))
+
+
+@pytest.mark.parametrize("estimate", ["antidiagonal", "sampled-rows"])
+def test_triton_block_sums_lower_for_cuda(estimate):
+    """A bf16 step of Llama-like heads on 16-token pages, 128K keys per sequence, lowered
+    for an H200 without a GPU."""
+    from lowering import lower_for_an_h200
+    from xattn_jax.ragged.geometry import RaggedGeometry, RaggedSampledGeometry
+    from xattn_jax.ragged.layout import ragged_blocks
+    from xattn_jax.triton.backend import TritonBackend
+
+    seqs, pages_per_seq = 8, 8192
+    geom = RaggedGeometry(tokens=8256, seqs=seqs, q_heads=32, kv_heads=8, head_dim=128,
+                          value_dim=128, num_pages=seqs * pages_per_seq, page_size=16,
+                          pages_per_seq=pages_per_seq, block_size=128, stride=8,
+                          fused=False)
+    if estimate == "sampled-rows":
+        geom = RaggedSampledGeometry.of(geom, 16, 128 ** -0.5)
+    spec = jax.ShapeDtypeStruct
+    args = (spec((geom.tokens, 32, 128), jnp.bfloat16),
+            spec((geom.num_pages, 16, 8, 128), jnp.bfloat16),
+            spec((seqs, pages_per_seq), jnp.int32), spec((seqs + 1,), jnp.int32),
+            spec((seqs,), jnp.int32))
+
+    def call(q, k, table, cu_q_lens, kv_lens):
+        blocks = ragged_blocks(cu_q_lens, kv_lens, jnp.int32(seqs), jnp.int32(0), geom)
+        return TritonBackend().ragged_block_sums(q, k, table, blocks, geom, norm=1.0)
+
+    assert "__gpu$xla.gpu.triton" in lower_for_an_h200(call, *args)
 
 
 @pytest.mark.slow
@@ -381,10 +474,11 @@ def test_triton_selection_with_row_diagonals_equals_the_reference(rand):
 
 
 @pytest.mark.slow
-def test_triton_step_equals_the_reference_in_interpret_mode(rand):
+@pytest.mark.parametrize("estimate", ["antidiagonal", "sampled-rows"])
+def test_triton_step_equals_the_reference_in_interpret_mode(rand, estimate):
     """The whole call with the Triton-backend estimate (block sums and selection)."""
     step = make_step(rand.rng, [(64, 96), (1, 20), (40, 72)], head_dim=32)
-    out, mask = _run(step, impl="triton")
-    want_out, want_mask = _run(step, impl="reference")
+    out, mask = _run(step, impl="triton", estimate=estimate)
+    want_out, want_mask = _run(step, impl="reference", estimate=estimate)
     np.testing.assert_array_equal(np.asarray(mask.blocks), np.asarray(want_mask.blocks))
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)

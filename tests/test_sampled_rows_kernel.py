@@ -25,7 +25,7 @@ from xattn_jax.reference import sampled_rows as reference_rows
 from xattn_jax.reference.backend import ReferenceBackend
 from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES
 from xattn_jax.sampled_geometry import SampledGeometry, sampled_positions
-from xattn_jax.sampled_rows import ROWS
+from xattn_jax.defaults import SAMPLED_ROWS as ROWS
 from xattn_jax.triton.backend import TritonBackend
 from xattn_jax.triton.block_sums import block_sums as triton_block_sums
 from xattn_jax.triton.plan import BLOCK_SUM_KERNELS, ONE_PASS, TWO_PASS, Tiles, plan_block_sums

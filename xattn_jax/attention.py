@@ -26,11 +26,10 @@ from xattn_jax.api import _estimate, _select
 from xattn_jax.backend import Backend
 from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_int, check_norm,
                               check_qk, check_scale, check_traced, threshold_per_head)
-from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE,
-                                THRESHOLD)
+from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, ESTIMATES, MIN_BLOCKS, NORM,
+                                SAMPLED_ROWS, STRIDE, THRESHOLD)
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.sampled_geometry import SampledGeometry
-from xattn_jax.sampled_rows import ROWS
 
 _CACHE_ARGS = ("k_len", "block_table")  # what a paged or padded cache adds to a call
 
@@ -174,11 +173,6 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     return run(q, k, v, mask, key_count, table)
 
 
-# the block scores xattention may select on: XAttention's strided antidiagonal estimate,
-# or the exact attention of sampled query rows (xattn_jax.sampled_rows)
-ESTIMATES = ("antidiagonal", "sampled-rows")
-
-
 @functools.partial(jax.jit, static_argnames=("geom", "backends", "estimate", "causal",
                                              "norm", "min_blocks", "dense_last", "scale",
                                              "return_mask"))
@@ -193,7 +187,7 @@ def _xattention(q, k, v, threshold, *, geom: Geometry,
                             **widening)
     else:
         sums = backends.estimate.sampled_block_mass(
-            q, k, geom=SampledGeometry.of(geom, ROWS, scale), causal=causal)
+            q, k, geom=SampledGeometry.of(geom, SAMPLED_ROWS, scale), causal=causal)
         mask = _select(sums, threshold, **widening)
     out = backends.attention.block_sparse_attention(
         q, k, v, mask, block_size=geom.block_size, causal=causal, scale=scale,
@@ -242,8 +236,8 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
     check_v(v, k, None)
     return_mask = check_flag("return_mask", return_mask)
     estimate = check_choice("estimate", estimate, ESTIMATES)
-    if estimate == "sampled-rows" and geom.block_size < ROWS:
-        raise ValueError(f"block_size must be at least {ROWS} with estimate='sampled-rows' "
+    if estimate == "sampled-rows" and geom.block_size < SAMPLED_ROWS:
+        raise ValueError(f"block_size must be at least {SAMPLED_ROWS} with estimate='sampled-rows' "
                          f"(its sampled rows per block), got {geom.block_size}")
     t = threshold_per_head(threshold, geom.q_heads)
     run = partitioning.on_shards(

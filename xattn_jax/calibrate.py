@@ -29,12 +29,12 @@ import numpy as np
 
 from xattn_jax import impls
 from xattn_jax.api import select_blocks, xattn_estimate
-from xattn_jax.attention import ESTIMATES, block_sparse_attention, check_v
+from xattn_jax.attention import block_sparse_attention, check_v
 from xattn_jax.checks import (check_choice, check_int, check_norm, check_positive_float,
                               check_qk, check_scale, check_shares, check_tokens,
                               real_host_array)
-from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE,
-                                TARGET_DENSITY)
+from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, ESTIMATES, MIN_BLOCKS, NORM,
+                                STRIDE, TARGET_DENSITY)
 from xattn_jax.reference.estimate import forced_and_allowed
 from xattn_jax.sampled_rows import sampled_block_mass
 

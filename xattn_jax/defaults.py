@@ -20,6 +20,11 @@ THRESHOLD = 0.95
 MIN_BLOCKS = 4
 DENSE_LAST = 1
 
+# the block scores a selection may rest on: XAttention's strided antidiagonal estimate, or
+# the exact attention of sampled query rows (xattn_jax.sampled_rows)
+ESTIMATES = ("antidiagonal", "sampled-rows")
+SAMPLED_ROWS = 16  # sampled rows per query block (docs/tuning.md: sampled-rows)
+
 # calibrate's and hf.calibrate's mean density (docs/tuning.md: calibration)
 TARGET_DENSITY = 0.3
 

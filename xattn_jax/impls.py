@@ -117,14 +117,15 @@ class RaggedBackends(NamedTuple):
     attention: Backend
     fallback: bool
 
-    def for_step(self, geom, dtype) -> RaggedBackends:
+    def for_step(self, geom, dtype, estimate_geom=None) -> RaggedBackends:
         """The backends that run a step of `geom` (a `ragged.geometry.RaggedGeometry`)
-        in `dtype`: a stage whose kernel does not take it moves to the reference with
-        `fallback`, else raises a ValueError saying why."""
+        in `dtype`, its estimate on `estimate_geom` (default geom): a stage whose kernel
+        does not take it moves to the reference with `fallback`, else raises a ValueError
+        saying why."""
         stages = []
-        for backend, op in ((self.estimate, "ragged_block_sums"),
-                            (self.attention, "ragged_attention")):
-            reason = backend.ragged_unsupported(op, geom, dtype)
+        for backend, op, sizes in ((self.estimate, "ragged_block_sums", estimate_geom or geom),
+                                   (self.attention, "ragged_attention", geom)):
+            reason = backend.ragged_unsupported(op, sizes, dtype)
             if reason is not None and not self.fallback:
                 raise ValueError(f"{reason}; impl='reference' or 'auto' take this step")
             stages.append(backend if reason is None else BACKENDS["reference"](None, True))

@@ -23,13 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax import fp8, impls, partitioning, reference
-from xattn_jax.attention import ESTIMATES
 from xattn_jax.backend import Backend
 from xattn_jax.checks import (CheckedCalls, cached_keys, check_choice, check_flag,
                               check_float_array, check_kv_sizes, check_norm, check_qk,
                               key_len, kv_groups, scalar_threshold, valid_counts)
-from xattn_jax.defaults import (ESTIMATE_BLOCK_SIZE, KV_BLOCK_SIZE, KV_THRESHOLD, NORM,
-                                STRIDE)
+from xattn_jax.defaults import (ESTIMATE_BLOCK_SIZE, ESTIMATES, KV_BLOCK_SIZE, KV_THRESHOLD,
+                                NORM, STRIDE)
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.sampled_geometry import SampledGeometry
 
@@ -104,7 +103,7 @@ def kv_block_scores(q: jax.Array, k: jax.Array, *, kv_block_size: int = KV_BLOCK
     per_query_block keeps the chunk's query blocks (of kv_block_size tokens):
     `[B, Hq, ceil(Lq / kv_block_size), n]`, the rows of the "vote" rule of
     `select_kv_blocks`.
-    estimate: the softmax mass summed (one of `attention.ESTIMATES`): "antidiagonal",
+    estimate: the softmax mass summed (one of `defaults.ESTIMATES`): "antidiagonal",
     that of the reshaped rows of sections 1-2; "sampled-rows", the exact attention (scale
     1 / (sqrt(D) norm)) of the chunk's sampled rows, estimate_block_size / stride per
     query block of estimate_block_size (every stride-th query where the chunk fills its

@@ -33,6 +33,14 @@ def sampled_positions(q_len: int, block_size: int, rows: int) -> np.ndarray:
     return (starts[:, None] + offsets).astype(np.int32)
 
 
+def part_end(start, length, part, rows):
+    """The last position of part `part` (1 .. rows) of `rows` equal parts of the `length`
+    positions from `start` (int32, maybe traced; in a kernel too): a span shorter than
+    `rows` repeats positions, an empty one gives `start`. (`lax.div`: jnp's floor
+    division lowers to i1 selects on GPU.)"""
+    return start + jnp.maximum(jax.lax.div(part * length, jnp.int32(rows)) - 1, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class SampledGeometry(Geometry):
     """A `Geometry` at stride 1 whose rows are the sampled query tokens: `rows` per query
@@ -88,8 +96,7 @@ class SampledGeometry(Geometry):
         # lax.div/rem: rows >= 0, and jnp's floor division lowers to i1 selects on GPU
         block, part = jax.lax.div(rows, per_block), jax.lax.rem(rows, per_block) + 1
         length = jnp.minimum(self.block_size, self.q_len - block * self.block_size)
-        offset = jnp.maximum(jax.lax.div(part * length, per_block) - 1, 0)
-        return block * self.block_size + offset
+        return part_end(block * self.block_size, length, part, self.rows)
 
     def query_tokens_end(self, row_extent: int) -> int:
         """Lq: every row's token lies in q (`query_position`)."""

@@ -25,17 +25,14 @@ from xattn_jax import impls, partitioning
 from xattn_jax.api import QK_LAYOUTS
 from xattn_jax.backend import Backend
 from xattn_jax.checks import check_flag, check_int, check_qk, check_scale
-from xattn_jax.defaults import BLOCK_SIZE
+from xattn_jax.defaults import BLOCK_SIZE, SAMPLED_ROWS
 from xattn_jax.sampled_geometry import SampledGeometry, sampled_positions
 
-__all__ = ["ROWS", "sampled_block_mass", "sampled_positions"]
-
-# sampled rows per query block (docs/tuning.md: sampled-rows)
-ROWS = 16
+__all__ = ["sampled_block_mass", "sampled_positions"]
 
 
 def sampled_block_mass(q: jax.Array, k: jax.Array, *, block_size: int = BLOCK_SIZE,
-                       rows: int = ROWS, causal: bool = True, scale: float | None = None,
+                       rows: int = SAMPLED_ROWS, causal: bool = True, scale: float | None = None,
                        impl: str = "auto") -> jax.Array:
     """Each (query block, key block)'s attention mass over `rows` sampled query rows.
 

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 import xattn_jax
 from xattn_jax import impls
-from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, STRIDE, THRESHOLD
-from xattn_jax.checks import check_int, threshold_per_head
+from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, ESTIMATES, MIN_BLOCKS, STRIDE, \
+    THRESHOLD
+from xattn_jax.checks import check_choice, check_int, threshold_per_head
 from xattn_jax.geometry import next_pow2
 
 from xattn_torch_bridge.dlpack import (FLOAT_DTYPES, forward_only, place_of, to_torch,
@@ -77,7 +78,8 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       threshold=THRESHOLD, block_size: int = BLOCK_SIZE,
                       stride: int = STRIDE,
                       min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
-                      impl: str = "auto", **flash_attn_options) -> torch.Tensor:
+                      impl: str = "auto", estimate: str = "antidiagonal",
+                      **flash_attn_options) -> torch.Tensor:
     """XAttention for one serving step of torch tensors, in flash-attn's varlen terms.
 
     Args:
@@ -95,7 +97,7 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         call needs no bound).
       out: `[T, Hq, D]` in q's dtype on q's device, written with the result when given.
       softmax_scale: default 1 / sqrt(D). causal: must be True.
-      threshold, block_size, stride, min_blocks, dense_last, impl: as in
+      threshold, block_size, stride, min_blocks, dense_last, impl, estimate: as in
         `xattn_jax.ragged_xattention` (block_size: XAttention's block, in tokens).
       flash_attn_options: `scheduler_metadata`, `num_splits`, `fa_version` and
         `deterministic` are accepted and ignored; `window_size`, `softcap`,
@@ -106,6 +108,7 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Returns `[T, Hq, D]` in q's dtype on q's device (`out` itself when given).
     """
     _check_options(causal, flash_attn_options)
+    check_choice("estimate", estimate, ESTIMATES)
     for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         check_int(name, bound, 0)
     if v.ndim == 4 and k.ndim == 4 and k.shape[0] > v.shape[0]:
@@ -145,7 +148,7 @@ def ragged_xattention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     meta = place_of(meta, "the step's offsets", False, (torch.int32,))[0]
     views = views_for_one_computation(place, queries, meta,
                                       persistent=(checked["k"][0], checked["v"][0]))
-    run = _compiled(softmax_scale, block_size, stride, min_blocks, dense_last,
+    run = _compiled(softmax_scale, block_size, stride, min_blocks, dense_last, estimate,
                     impls.resolve_ragged(impl, device=place.jax_device), slots)
     result = to_torch(run(views[0], *views[2:], views[1], _threshold(threshold, q.shape[1],
                                                                      place)))
@@ -185,7 +188,8 @@ def _padded_step(q, cu_seqlens_q, seqused_k, block_table, slots: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(scale, block_size, stride, min_blocks, dense_last, impl, slots: int):
+def _compiled(scale, block_size, stride, min_blocks, dense_last, estimate, impl,
+              slots: int):
     """`xattn_jax.ragged_xattention` jitted over (q, k, v, the packed offsets of
     `_padded_step` for `slots` requests, threshold), for one set of options and the
     backends resolved for the tensors' device (every slot of the padded step is a live
@@ -196,5 +200,5 @@ def _compiled(scale, block_size, stride, min_blocks, dense_last, impl, slots: in
         return xattn_jax.ragged_xattention(
             q, k, v, kv_lens, table, cu, slots, threshold=threshold,
             block_size=block_size, stride=stride, min_blocks=min_blocks,
-            dense_last=dense_last, scale=scale, impl=impl)
+            dense_last=dense_last, scale=scale, impl=impl, estimate=estimate)
     return jax.jit(call)

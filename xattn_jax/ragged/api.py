@@ -16,11 +16,12 @@ import jax
 
 from xattn_jax import impls, partitioning
 from xattn_jax.backend import Backend
-from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, STRIDE, THRESHOLD
-from xattn_jax.checks import check_flag, check_int, check_norm, check_scale, \
+from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, ESTIMATES, MIN_BLOCKS, NORM, \
+    SAMPLED_ROWS, STRIDE, THRESHOLD
+from xattn_jax.checks import check_choice, check_flag, check_int, check_norm, check_scale, \
     threshold_per_head
 from xattn_jax.ragged.checks import check_step
-from xattn_jax.ragged.geometry import RaggedGeometry
+from xattn_jax.ragged.geometry import RaggedGeometry, RaggedSampledGeometry
 from xattn_jax.ragged.layout import ragged_blocks
 from xattn_jax.ragged.select import select_ragged
 
@@ -51,8 +52,9 @@ def _fused_pairs(k: jax.Array) -> jax.Array:
 def ragged_mask(q, k, page_indices, blocks, threshold, geom: RaggedGeometry, *,
                 estimate: Backend, norm: float, min_blocks: int,
                 dense_last: int) -> jax.Array:
-    """The step's estimate: block sums on `estimate`, then the selection (bool `[Hq, QB,
-    KB]`); k as the backends take it (a fused cache viewed `[.., Hkv, 2, D]`)."""
+    """The step's estimate: block sums on `estimate` (the sampled rows' on a
+    `RaggedSampledGeometry`), then the selection (bool `[Hq, QB, KB]`); k as the backends
+    take it (a fused cache viewed `[.., Hkv, 2, D]`)."""
     sums = estimate.ragged_block_sums(q, k, page_indices, blocks, geom, norm=norm)
 
     def select(sums, threshold, *, diagonal):
@@ -65,18 +67,22 @@ def ragged_mask(q, k, page_indices, blocks, threshold, geom: RaggedGeometry, *,
 
 def _ragged_core(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs,
                  threshold, *, step: RaggedGeometry, impl: impls.RaggedBackends,
-                 norm: float, scale: float | None, min_blocks: int, dense_last: int,
-                 return_mask: bool):
+                 estimate: str, norm: float, scale: float | None, min_blocks: int,
+                 dense_last: int, return_mask: bool):
     geom = step.local(q, k)  # a shard's heads under partitioning
-    impl = impl.for_step(geom, q.dtype)
+    scale = geom.head_dim ** -0.5 if scale is None else scale
+    scores = geom
+    if estimate == "sampled-rows":  # at the attention's scale, without norm
+        scores, norm = RaggedSampledGeometry.of(geom, SAMPLED_ROWS, scale), 1.0
+    impl = impl.for_step(geom, q.dtype, estimate_geom=scores)
     if geom.fused:
         k = _fused_pairs(k)
     blocks = ragged_blocks(cu_q_lens, kv_lens, num_seqs, decode_seqs, geom)
-    mask = ragged_mask(q, k, page_indices, blocks, threshold, geom, estimate=impl.estimate,
-                       norm=norm, min_blocks=min_blocks, dense_last=dense_last)
-    out = impl.attention.ragged_attention(
-        q, k, v, page_indices, mask, blocks, geom,
-        scale=geom.head_dim ** -0.5 if scale is None else scale)
+    mask = ragged_mask(q, k, page_indices, blocks, threshold, scores,
+                       estimate=impl.estimate, norm=norm, min_blocks=min_blocks,
+                       dense_last=dense_last)
+    out = impl.attention.ragged_attention(q, k, v, page_indices, mask, blocks, geom,
+                                          scale=scale)
     if return_mask:
         return out, RaggedMask(mask, blocks.cu_q_blocks, blocks.first_block)
     return out
@@ -88,7 +94,8 @@ def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
                       norm: float = NORM,
                       min_blocks: int = MIN_BLOCKS, dense_last: int = DENSE_LAST,
                       scale: float | None = None, decode_seqs=None,
-                      return_mask: bool = False, impl: str = "auto"):
+                      return_mask: bool = False, impl: str = "auto",
+                      estimate: str = "antidiagonal"):
     """XAttention over a ragged, paged serving step, as one jitted call.
 
     Args:
@@ -118,6 +125,10 @@ def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
         a name runs each stage it has a kernel for, the reference the rest; a stage
         whose kernel does not take the step raises a ValueError saying why, or under
         "auto" runs on the reference).
+      estimate: the block scores the threshold rule selects on, as in `xattention`:
+        "antidiagonal" or "sampled-rows" (16 rows of each query block, spread over its
+        queries inside the chunk: docs/estimate.md, "Ragged steps"; block_size at least
+        16; stride and norm unused).
 
     Sequences with at least block_size queries are estimated: each query block keeps
     the key blocks `xattention`'s rule selects over the sequence's own keys. Shorter
@@ -141,13 +152,17 @@ def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
         q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs,
         block_size=block_size, stride=stride)
     return_mask = check_flag("return_mask", return_mask)
+    estimate = check_choice("estimate", estimate, ESTIMATES)
+    if estimate == "sampled-rows" and geom.block_size < SAMPLED_ROWS:
+        raise ValueError(f"block_size must be at least {SAMPLED_ROWS} with estimate='sampled-rows' "
+                         f"(its sampled rows per block), got {geom.block_size}")
     t = threshold_per_head(threshold, geom.q_heads)
     kv = ". . F ." if geom.fused else ". . K ."
     run = partitioning.on_shards(
         _ragged_core, (". H .", kv, kv, ".", ". .", ".", "", "", "H"),
         results=(". H .", "H . .", ".", ".") if return_mask else ". H .",
         name="ragged_xattention", step=geom, impl=impls.resolve_ragged(impl, q),
-        norm=check_norm(norm), scale=check_scale(scale),
+        estimate=estimate, norm=check_norm(norm), scale=check_scale(scale),
         min_blocks=check_int("min_blocks", min_blocks, 0),
         dense_last=check_int("dense_last", dense_last, 0), return_mask=return_mask)
     return run(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs, t)

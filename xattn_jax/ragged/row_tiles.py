@@ -1,11 +1,12 @@
 """The estimate's units of work in a ragged step: row tiles of the estimated sequences,
 longest first (docs/estimate.md, "Ragged steps").
 
-A row tile is `rows` reshaped query rows of one sequence, a whole number of its query
-blocks at their absolute positions (`rows / (block_size / S)` mask rows; a sequence's
-last tile may hold fewer). The kernels walk (row tile, query head) pairs; sorting the
-tiles by the key tiles their rows see puts the long ones first, so that programs walking
-the list end together.
+A row tile is `rows` of the estimate's query rows of one sequence, a whole number of its
+query blocks at their absolute positions (`rows / geom.block_rows` mask rows; a
+sequence's last tile may hold fewer). Rows and columns are the antidiagonal estimate's
+reshaped ones, or sampled query tokens and single keys (`RaggedSampledGeometry`). The
+kernels walk (row tile, query head) pairs; sorting the tiles by the key tiles their rows
+see puts the long ones first, so that programs walking the list end together.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ class RowTiles(NamedTuple):
 def max_row_tiles(geom: RaggedGeometry, rows: int) -> int:
     """NT: a bound on the step's row tiles: a sequence's blocks in tiles of
     rows / block_rows, one partial tile at most per sequence."""
-    return geom.q_block_rows // (rows // (geom.block_size // geom.stride)) + geom.seqs
+    return geom.q_block_rows // (rows // geom.block_rows) + geom.seqs
 
 
 def row_tiles(blocks: RaggedBlocks, geom: RaggedGeometry, *, rows: int,
               block_k: int) -> RowTiles:
-    """The row tiles of `blocks`' estimated sequences, `rows` reshaped rows each (a
-    multiple of block_size / S), seeing key tiles of `block_k` reshaped columns."""
-    s, n = geom.stride, geom.block_size // geom.stride
+    """The row tiles of `blocks`' estimated sequences, `rows` rows each (a multiple of
+    geom.block_rows), seeing key tiles of `block_k` columns."""
+    s, n = geom.stride, geom.block_rows
     per_tile = rows // n  # mask rows per tile
     seq_blocks = jnp.where(blocks.estimated, blocks.cu_q_blocks[1:] - blocks.cu_q_blocks[:-1],
                            0)
@@ -55,7 +56,8 @@ def row_tiles(blocks: RaggedBlocks, geom: RaggedGeometry, *, rows: int,
     mask_rows = jnp.clip(seq_blocks[seq] - local, 0, per_tile)
     first_row = (blocks.first_block[seq] + local) * n
     cols = jax.lax.div(blocks.kv_lens[seq] + (s - 1), jnp.int32(s))
-    seen = jnp.minimum(cols, first_row + mask_rows * n)  # causal: up to its last row
+    # causal: up to its last block's end
+    seen = jnp.minimum(cols, (blocks.first_block[seq] + local + mask_rows) * geom.block_cols)
     key_tiles = jnp.where(tile < count, jax.lax.div(seen + (block_k - 1), jnp.int32(block_k)),
                           0)
     order = jnp.argsort(-key_tiles, stable=True)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax.geometry import Geometry, cdiv
-from xattn_jax.ragged.geometry import RaggedGeometry
+from xattn_jax.ragged.geometry import RaggedGeometry, RaggedSampledGeometry
 from xattn_jax.ragged.layout import RaggedBlocks
 from xattn_jax.reference.attention import block_sparse_attention
 from xattn_jax.reference.estimate import softmax_block_sums, strided_scores
@@ -54,7 +54,8 @@ def _sequence_keys(k, page_table_row, count, geom: RaggedGeometry) -> jax.Array:
 def block_sums(q, k, page_indices, blocks: RaggedBlocks, geom: RaggedGeometry, *,
                norm: float) -> jax.Array:
     """Sections 1-3 per mask row: float32 `[Hq, QB, KB]`, zero in rows that are not live
-    or whose sequence is not estimated.
+    or whose sequence is not estimated. On a `RaggedSampledGeometry`, the sampled rows'
+    block scores instead (`sampled_mass`; norm unused).
 
     q `[T, Hq, D]`; k `[num_pages, page_size, Hkv, D]`; page_indices int32
     `[S, pages_per_seq]`. A row's reshaped query rows are its block's stride groups at
@@ -63,6 +64,8 @@ def block_sums(q, k, page_indices, blocks: RaggedBlocks, geom: RaggedGeometry, *
     those from kv_len on zero) is visible to the row at absolute group i iff j <= i and
     jS < kv_len.
     """
+    if isinstance(geom, RaggedSampledGeometry):
+        return sampled_mass(q, k, page_indices, blocks, geom)
     bs, s = geom.block_size, geom.stride
     row_geom = Geometry(1, geom.q_heads, geom.kv_heads, bs, geom.k_blocks * bs,
                         geom.head_dim, s, bs)
@@ -79,6 +82,35 @@ def block_sums(q, k, page_indices, blocks: RaggedBlocks, geom: RaggedGeometry, *
 
     rows = jax.lax.map(one_row, jnp.arange(geom.q_block_rows))  # [QB, Hq, KB]
     return rows.transpose(1, 0, 2)
+
+
+def sampled_mass(q, k, page_indices, blocks: RaggedBlocks,
+                 geom: RaggedSampledGeometry) -> jax.Array:
+    """The sampled rows' block scores per mask row: float32 `[Hq, QB, KB]`, zero in rows
+    that are not live or whose sequence is not estimated. A row's `geom.rows` queries sit
+    at `geom.sampled_position`; each one's exact softmax (scale geom.scale) over the keys
+    it sees, summed per key block and over the rows."""
+    bs, rows, group = geom.block_size, geom.rows, geom.group
+    # 4-byte inputs need HIGHEST (not TF32); 2-byte inputs' products are exact in float32
+    precision = jax.lax.Precision.HIGHEST if q.dtype.itemsize >= 4 else None
+
+    def one_row(row):
+        seq, count = blocks.row_seq[row], blocks.kv_lens[blocks.row_seq[row]]
+        position = geom.sampled_position(blocks.row_block[row] * rows + jnp.arange(rows),
+                                         blocks.first_position[seq], count)
+        token = jnp.clip(blocks.token_of(seq, position), 0, geom.tokens - 1)
+        queries = q[token].reshape(rows, geom.kv_heads, group, -1)  # [rows, Hkv, G, D]
+        keys = _sequence_keys(k, page_indices[seq], count, geom)[0]  # [Hkv, KB * bs, D]
+        scores = jnp.einsum("rkgd,kjd->kgrj", queries, keys, precision=precision,
+                            preferred_element_type=jnp.float32)
+        key = jnp.arange(keys.shape[1])
+        seen = (key[None, :] < count) & (key[None, :] <= position[:, None])  # [rows, keys]
+        p = jax.nn.softmax(jnp.where(seen, scores * geom.scale, -jnp.inf), axis=-1)
+        mass = p.reshape(geom.q_heads, rows, geom.k_blocks, bs).sum(axis=(1, 3))
+        return jnp.where(blocks.estimated[seq] & blocks.row_live[row], mass, 0.0)
+
+    masses = jax.lax.map(one_row, jnp.arange(geom.q_block_rows))  # [QB, Hq, KB]
+    return masses.transpose(1, 0, 2)
 
 
 def cdiv_traced(n, d: int):

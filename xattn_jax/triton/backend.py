@@ -76,7 +76,7 @@ class TritonBackend(Backend):
         return select_kernel.select_blocks(sums, threshold, plan=plan, **rules)
 
     def ragged_unsupported(self, op: str, geom, dtype) -> str | None:
-        return ragged_kernel.unsupported_reason(geom)
+        return ragged_kernel.unsupported_reason(geom, dtype)
 
     def ragged_block_sums(self, q, k, page_indices, blocks, geom, *, norm: float):
         plan = ragged_kernel.plan_ragged(geom, q.dtype, interpret=self.interpret)

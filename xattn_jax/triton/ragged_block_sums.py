@@ -1,5 +1,6 @@
 """Sections 1-3 of a ragged step as one persistent Pallas Triton-backend kernel
-(docs/estimate.md, "Ragged steps").
+(docs/estimate.md, "Ragged steps"), or the sampled rows' block scores on a
+`RaggedSampledGeometry` (stride 1: rows are sampled query tokens, columns single keys).
 
 Programs walk (row tile, query head) pairs, longest first (`ragged.row_tiles`). For
 each, a program runs every key tile its rows see, strided product by product
@@ -24,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from xattn_jax.geometry import next_pow2
 from xattn_jax.partitioning import kernel_output
-from xattn_jax.ragged.geometry import RaggedGeometry
+from xattn_jax.ragged.geometry import RaggedGeometry, RaggedSampledGeometry
 from xattn_jax.ragged.layout import RaggedBlocks
 from xattn_jax.ragged.row_tiles import FIELDS, RowTiles, max_key_tiles, row_tiles
 from xattn_jax.row_statistics import DEFAULT_SCRATCH_BYTES, LOG2_E
@@ -59,9 +60,14 @@ class RaggedPlan:
         return self.geom.stride * self.head_parts
 
     @property
+    def block_rows(self) -> int:
+        """Rows per query block (`geom.block_rows`)."""
+        return self.geom.block_rows
+
+    @property
     def block_cols(self) -> int:
-        """Reshaped columns (and rows) per block: block_size / S."""
-        return self.geom.block_size // self.geom.stride
+        """Columns per key block (`geom.block_cols`)."""
+        return self.geom.block_cols
 
     @property
     def blocks_per_tile(self) -> int:
@@ -77,14 +83,16 @@ class RaggedPlan:
         return 4 * self.block_q * self.key_tiles * (self.blocks_per_tile + 1)
 
 
-def unsupported_reason(geom: RaggedGeometry, tiles: Tiles | None = None) -> str | None:
-    """Why the kernel cannot run a step of `geom` (None if it can)."""
-    n = geom.block_size // geom.stride
-    tiles = tiles or _tiles(geom)
-    if n > tiles.block_q or tiles.block_q % n or tiles.block_k % n:
-        return (f"impl='triton' estimates ragged steps whose block_size / stride divides "
-                f"{tiles.block_q} reshaped rows; got block_size {geom.block_size}, stride "
-                f"{geom.stride}")
+def unsupported_reason(geom: RaggedGeometry, dtype=jnp.bfloat16,
+                       tiles: Tiles | None = None) -> str | None:
+    """Why the kernel cannot run a step of `geom` in `dtype` (None if it can)."""
+    tiles = tiles or _tiles(geom, dtype)
+    if (geom.block_rows > tiles.block_q or tiles.block_q % geom.block_rows
+            or tiles.block_k % geom.block_cols):
+        return (f"impl='triton' estimates ragged steps whose query blocks' rows divide "
+                f"{tiles.block_q} and key blocks' columns divide {tiles.block_k}; got "
+                f"{geom.block_rows} and {geom.block_cols} (block_size {geom.block_size}, "
+                f"stride {geom.stride})")
     if geom.page_size % geom.stride:
         return (f"impl='triton' estimates ragged steps whose pages hold whole stride "
                 f"groups (page_size a multiple of {geom.stride}); got {geom.page_size}")
@@ -92,9 +100,12 @@ def unsupported_reason(geom: RaggedGeometry, tiles: Tiles | None = None) -> str 
 
 
 def _tiles(geom: RaggedGeometry, dtype=jnp.bfloat16) -> Tiles:
-    """The whole-prompt kernel's tuned tiles, rows capped to keep the scratch small."""
+    """The whole-prompt kernel's tuned tiles, rows capped to keep the scratch small,
+    columns widened to a whole key block (the sampled rows' blocks of single keys;
+    docs/tuning.md: ragged-sampled-rows)."""
     tiles = TUNED[4 if jnp.dtype(dtype).itemsize >= 4 else 2]
-    return dataclasses.replace(tiles, block_q=min(tiles.block_q, RAGGED_ROWS))
+    return dataclasses.replace(tiles, block_q=min(tiles.block_q, RAGGED_ROWS),
+                               block_k=max(tiles.block_k, geom.block_cols))
 
 
 RAGGED_ROWS = 64  # reshaped rows per tile: half the scratch of 128 (docs/tuning.md: ragged-rows)
@@ -141,7 +152,7 @@ def _load_keys(k_ref, pages, tile, kv_head, positions, *, part, depth, head_dim,
 def _kernel(count_ref, tiles_ref, starts_ref, q_ref, k_ref, table_ref, sums_ref,
             x_ref, m_ref, *, plan: RaggedPlan, scale: float):
     geom = plan.geom
-    rows, cols, n = plan.block_q, plan.block_k, plan.block_cols
+    rows, cols, n = plan.block_q, plan.block_k, plan.block_rows
     units, steps, s = plan.blocks_per_tile, plan.steps, geom.stride
     program = pl.program_id(0)
     items = count_ref[0] * geom.q_heads
@@ -161,10 +172,9 @@ def _kernel(count_ref, tiles_ref, starts_ref, q_ref, k_ref, table_ref, sums_ref,
         key_tiles = tiles_ref[t, _KEY_TILES]
         key_cols = jax.lax.div(tile["kv_len"] + (s - 1), jnp.int32(s))
         row_ids = row0 + row_index
-        real_row = ((row_ids * s + (s - 1) >= tile["first_position"])
-                    & (row_ids * s < tile["kv_len"]))
-        load_queries = functools.partial(_load_queries, q_ref, tile, head,
-                                         head_dim=geom.head_dim)
+        load_queries, diagonal, real_row = _rows_of_tile(
+            geom, row_ids, tile, functools.partial(_load_queries, q_ref, tile, head,
+                                                   head_dim=geom.head_dim))
         load_keys = functools.partial(_load_keys, k_ref, tile=tile, kv_head=kv_head,
                                       head_dim=geom.head_dim, fused=geom.fused)
 
@@ -177,12 +187,12 @@ def _kernel(count_ref, tiles_ref, starts_ref, q_ref, k_ref, table_ref, sums_ref,
         def tile_stats(col_tile, a, carry):
             big_m, big_l = carry
             col_ids = col_tile * cols + jnp.arange(cols)
-            seen = (col_ids[None, :] < key_cols) & (col_ids[None, :] <= row_ids[:, None])
+            seen = (col_ids[None, :] < key_cols) & (col_ids[None, :] <= diagonal[:, None])
             a = jnp.where(seen, a, -jnp.inf)
             m = a.max(axis=1)
             shift = jnp.where(m == -jnp.inf, 0.0, m)
             p = jnp.exp2(a - shift[:, None])
-            x = p.reshape(rows, units, n).sum(axis=2)
+            x = p.reshape(rows, units, plan.block_cols).sum(axis=2)
             plgpu.store(x_ref.at[program, :, pl.ds(col_tile * units, units)], x)
             plgpu.store(m_ref.at[program, :, col_tile], m)
             new_m = jnp.maximum(big_m, m)
@@ -241,6 +251,25 @@ def _kernel(count_ref, tiles_ref, starts_ref, q_ref, k_ref, table_ref, sums_ref,
     jax.lax.fori_loop(0, mine, one_item, None)
 
 
+def _rows_of_tile(geom: RaggedGeometry, row_ids, tile, load_queries):
+    """The rows `row_ids` `[rows]` of a tile's sequence: (the loader `step_product` calls
+    for their queries, each row's last visible column, whether the row holds a query of
+    the chunk)."""
+    first, count = tile["first_position"], tile["kv_len"]
+    if not isinstance(geom, RaggedSampledGeometry):  # reshaped row i sees columns <= i
+        s = geom.stride
+        return load_queries, row_ids, (row_ids * s + (s - 1) >= first) & (row_ids * s < count)
+
+    def place(rows):
+        return geom.sampled_position(rows, first, count)
+
+    def load(rows, *, part, depth):  # at stride 1 step_product passes the row indices
+        return load_queries(place(rows), part=part, depth=depth)
+
+    block_start = jax.lax.div(row_ids, jnp.int32(geom.rows)) * geom.block_size
+    return load, place(row_ids), (block_start + geom.block_size > first) & (block_start < count)
+
+
 def _keys_with_pages(load_keys, pages, positions, *, part, depth):
     """`load_keys` for a step's key positions `[cols]` (one stride member of each column)
     whose pages are `pages`, the columns' pages."""
@@ -251,7 +280,8 @@ def _keys_with_pages(load_keys, pages, positions, *, part, depth):
 def ragged_block_sums(q, k, page_indices, blocks: RaggedBlocks, *, plan: RaggedPlan,
                       norm: float) -> jax.Array:
     """Block sums float32 `[Hq, QB, KB]` of a ragged step (`reference.ragged.block_sums`'s
-    values in the rows of estimated sequences; other rows hold anything).
+    values in the rows of estimated sequences; other rows hold anything); on a
+    `RaggedSampledGeometry`, the sampled rows' (norm 1: at the softmax scale).
 
     q `[T, Hq, D]`; k `[num_pages, page_size, Hkv, D]`, or a fused cache's view
     `[num_pages, page_size, Hkv, 2, D]` (its K read in place); page_indices int32
@@ -261,11 +291,11 @@ def ragged_block_sums(q, k, page_indices, blocks: RaggedBlocks, *, plan: RaggedP
     tiles: RowTiles = row_tiles(blocks, geom, rows=plan.block_q, block_k=plan.block_k)
     starts = jnp.stack([blocks.q_starts, blocks.first_position, blocks.kv_lens], axis=1)
     # padded by a tile's rows and to whole key tiles: stores need no clamped indices
-    shape = (geom.q_heads, geom.q_block_rows + plan.block_q // plan.block_cols,
+    shape = (geom.q_heads, geom.q_block_rows + plan.block_q // plan.block_rows,
              plan.key_tiles * plan.blocks_per_tile)
     scratch = [(plan.programs, plan.block_q, plan.key_tiles * plan.blocks_per_tile),
                (plan.programs, plan.block_q, plan.key_tiles)]
-    scale = LOG2_E / ((geom.head_dim ** 0.5) * geom.stride * norm)
+    scale = LOG2_E * geom.scale / norm
     operands = (tiles.count.reshape(1), tiles.table, starts, q, k,
                 page_indices.astype(jnp.int32))
     sums, _, _ = pl.pallas_call(
