@@ -10,6 +10,7 @@ checked mode, the Triton kernel in interpret mode, several devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -455,6 +456,21 @@ def test_triton_block_sums_lower_for_cuda(estimate):
         return TritonBackend().ragged_block_sums(q, k, table, blocks, geom, norm=1.0)
 
     assert "__gpu$xla.gpu.triton" in lower_for_an_h200(call, *args)
+
+
+def test_triton_refuses_blocks_its_tiles_do_not_hold():
+    from xattn_jax.ragged.geometry import RaggedGeometry, RaggedSampledGeometry
+    from xattn_jax.triton.ragged_block_sums import unsupported_reason
+
+    geom = RaggedGeometry(tokens=512, seqs=4, q_heads=4, kv_heads=2, head_dim=64,
+                          value_dim=64, num_pages=64, page_size=16, pages_per_seq=16,
+                          block_size=128, stride=8, fused=False)
+    for dtype in (jnp.bfloat16, jnp.float32):  # float32's key tiles widened to a block
+        assert unsupported_reason(geom, dtype) is None
+        assert unsupported_reason(RaggedSampledGeometry.of(geom, 16, 0.125), dtype) is None
+    odd = RaggedSampledGeometry.of(dataclasses.replace(geom, block_size=96), 16, 0.125)
+    assert "key blocks' columns divide 256; got 16 and 96" in unsupported_reason(
+        odd, jnp.bfloat16)
 
 
 @pytest.mark.slow
