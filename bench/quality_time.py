@@ -72,7 +72,7 @@ DENSITY_TOLERANCE = 0.005  # a timed mask further than this from the model's is 
 # The sampled-rows block scores timed, and their implementation's name in the records
 # ("auto": the Triton kernel on a GPU). To time another implementation, change this one
 # line, e.g. to ("reference", functools.partial(sampled_block_mass, impl="reference")).
-SAMPLED_ROWS = ("auto", sampled_block_mass)
+SAMPLED_ROWS_CALL = ("auto", sampled_block_mass)
 
 
 # --- the settings ----------------------------------------------------------------------
@@ -148,7 +148,7 @@ def antidiagonal_mask(q, k, threshold, *, block_size: int, stride: int, min_bloc
 
 def sampled_rows_scores(q, k, *, block_size: int, stride: int) -> jax.Array:
     del stride  # sampled rows have none
-    return SAMPLED_ROWS[1](q, k, block_size=block_size, causal=True)
+    return SAMPLED_ROWS_CALL[1](q, k, block_size=block_size, causal=True)
 
 
 def sampled_rows_mask(q, k, threshold, *, block_size: int, stride: int, min_blocks: int,
@@ -185,8 +185,8 @@ class Estimate(NamedTuple):
 
 ESTIMATES = {"antidiagonal": Estimate(antidiagonal_scores, antidiagonal_mask, "auto",
                                       antidiagonal_flops),
-             "sampled-rows": Estimate(sampled_rows_scores, sampled_rows_mask, SAMPLED_ROWS[0],
-                                      sampled_rows_flops)}
+             "sampled-rows": Estimate(sampled_rows_scores, sampled_rows_mask,
+                                      SAMPLED_ROWS_CALL[0], sampled_rows_flops)}
 
 
 # --- masks of a density ----------------------------------------------------------------
