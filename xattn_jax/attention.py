@@ -24,10 +24,10 @@ import numpy as np
 from xattn_jax import impls, partitioning
 from xattn_jax.api import _estimate, _select
 from xattn_jax.backend import Backend
-from xattn_jax.checks import (cached_keys, check_choice, check_flag, check_int, check_norm,
+from xattn_jax.checks import (cached_keys, check_estimate, check_flag, check_int, check_norm,
                               check_qk, check_scale, check_traced, threshold_per_head)
-from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, ESTIMATES, MIN_BLOCKS, NORM,
-                                SAMPLED_ROWS, STRIDE, THRESHOLD)
+from xattn_jax.defaults import (BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, SAMPLED_ROWS,
+                                STRIDE, THRESHOLD)
 from xattn_jax.geometry import Geometry, cdiv
 from xattn_jax.sampled_geometry import SampledGeometry
 
@@ -220,7 +220,7 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
       impl: the attention's implementation, as in `block_sparse_attention`. The estimate
         runs its "reference" for impl="reference" or inputs off a GPU, else its "auto"
         (`impls.resolve_xattention`, whose pair may also be passed here).
-      estimate: the block scores the threshold rule selects on (one of ESTIMATES):
+      estimate: the block scores the threshold rule selects on (one of `defaults.ESTIMATES`):
         "antidiagonal", XAttention's estimate (`xattn_estimate`, with stride and norm);
         "sampled-rows", the exact attention mass of 16 sampled rows per query block
         (`xattn_jax.sampled_block_mass`, with scale; stride and norm unused; block_size
@@ -235,10 +235,7 @@ def xattention(q: jax.Array, k: jax.Array, v: jax.Array, *, threshold=THRESHOLD,
     geom = check_qk(q, k, stride=stride, block_size=block_size, causal=causal)
     check_v(v, k, None)
     return_mask = check_flag("return_mask", return_mask)
-    estimate = check_choice("estimate", estimate, ESTIMATES)
-    if estimate == "sampled-rows" and geom.block_size < SAMPLED_ROWS:
-        raise ValueError(f"block_size must be at least {SAMPLED_ROWS} with estimate='sampled-rows' "
-                         f"(its sampled rows per block), got {geom.block_size}")
+    estimate = check_estimate(estimate, geom.block_size)
     t = threshold_per_head(threshold, geom.q_heads)
     run = partitioning.on_shards(
         _xattention, ("B H ...", "B K ...", "B K ...", "H"), name="xattention", geom=geom,

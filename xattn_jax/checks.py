@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from xattn_jax.defaults import ESTIMATES, SAMPLED_ROWS
 from xattn_jax.geometry import Geometry
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -198,6 +199,17 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_estimate(estimate, block_size: int) -> str:
+    """The block scores a selection rests on (one of `defaults.ESTIMATES`); sampled rows
+    need a block of at least `defaults.SAMPLED_ROWS` tokens."""
+    estimate = check_choice("estimate", estimate, ESTIMATES)
+    if estimate == "sampled-rows" and block_size < SAMPLED_ROWS:
+        raise ValueError(f"block_size must be at least {SAMPLED_ROWS} with "
+                         f"estimate='sampled-rows' (its sampled rows per block), got "
+                         f"{block_size}")
+    return estimate
 
 
 def check_scratch_bytes(max_scratch_bytes) -> int | None:

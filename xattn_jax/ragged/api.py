@@ -16,9 +16,9 @@ import jax
 
 from xattn_jax import impls, partitioning
 from xattn_jax.backend import Backend
-from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, ESTIMATES, MIN_BLOCKS, NORM, \
-    SAMPLED_ROWS, STRIDE, THRESHOLD
-from xattn_jax.checks import check_choice, check_flag, check_int, check_norm, check_scale, \
+from xattn_jax.defaults import BLOCK_SIZE, DENSE_LAST, MIN_BLOCKS, NORM, SAMPLED_ROWS, \
+    STRIDE, THRESHOLD
+from xattn_jax.checks import check_estimate, check_flag, check_int, check_norm, check_scale, \
     threshold_per_head
 from xattn_jax.ragged.checks import check_step
 from xattn_jax.ragged.geometry import RaggedGeometry, RaggedSampledGeometry
@@ -152,10 +152,7 @@ def ragged_xattention(q: jax.Array, k: jax.Array, v: jax.Array | None, kv_lens,
         q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs,
         block_size=block_size, stride=stride)
     return_mask = check_flag("return_mask", return_mask)
-    estimate = check_choice("estimate", estimate, ESTIMATES)
-    if estimate == "sampled-rows" and geom.block_size < SAMPLED_ROWS:
-        raise ValueError(f"block_size must be at least {SAMPLED_ROWS} with estimate='sampled-rows' "
-                         f"(its sampled rows per block), got {geom.block_size}")
+    estimate = check_estimate(estimate, geom.block_size)
     t = threshold_per_head(threshold, geom.q_heads)
     kv = ". . F ." if geom.fused else ". . K ."
     run = partitioning.on_shards(
