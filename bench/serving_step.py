@@ -60,14 +60,14 @@ from bench.common import (MATMUL_FLOPS, latency_ms, log, matmul_tflops,  # noqa:
                           merge_json, record, report, strided_flops, time_ms,
                           write_outputs)
 from xattn_jax import ragged_xattention, xattention, xattn_estimate  # noqa: E402
-from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, SAMPLED_ROWS, THRESHOLD  # noqa: E402
+from xattn_jax.defaults import DENSE_LAST, ESTIMATES, MIN_BLOCKS, THRESHOLD  # noqa: E402
 from xattn_jax.demo.synthetic import structured_qk  # noqa: E402
 from xattn_jax.geometry import cdiv, next_pow2  # noqa: E402
 from xattn_jax import impls  # noqa: E402
-from xattn_jax.ragged.api import ragged_mask  # noqa: E402
+from xattn_jax.ragged.api import estimate_geometry, ragged_mask  # noqa: E402
 from xattn_jax.ragged.checks import check_step  # noqa: E402
-from xattn_jax.ragged.geometry import RaggedSampledGeometry  # noqa: E402
-from xattn_jax.ragged.layout import ragged_blocks  # noqa: E402
+from xattn_jax.ragged.geometry import RaggedGeometry  # noqa: E402
+from xattn_jax.ragged.layout import RaggedBlocks, ragged_blocks  # noqa: E402
 
 BLOCK, STRIDE = 128, 8
 
@@ -173,11 +173,28 @@ def build_step(shape: StepShape, page_size: int, dtype=jnp.bfloat16) -> Step:
     return Step(shape, page_size, args, len(shape.decodes), requests)
 
 
+def step_geometry(step: Step) -> RaggedGeometry:
+    """The step's static sizes, as `ragged_xattention` checks them."""
+    return check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
+
+
+def step_blocks(step: Step, geom: RaggedGeometry) -> RaggedBlocks:
+    """The step's layout on the device (`ragged_blocks`)."""
+    return ragged_blocks(step.args[5], step.args[3], step.args[6],
+                         jnp.int32(step.decode_seqs), geom)
+
+
+def ragged_step_call(step: Step, impl: str, estimate: str):
+    """The whole step in one call, jitted, returning the output and its `RaggedMask`."""
+    return jax.jit(lambda *a: ragged_xattention(
+        *a, decode_seqs=step.decode_seqs, block_size=BLOCK, stride=STRIDE, return_mask=True,
+        impl=impl, estimate=estimate))
+
+
 def ragged_mask_call(step: Step, impl: str, estimate: str):
     """The ragged step's estimate alone (layout, block sums, selection), jitted."""
-    geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
-    scores = geom if estimate == "antidiagonal" else RaggedSampledGeometry.of(
-        geom, SAMPLED_ROWS, geom.head_dim ** -0.5)
+    geom = step_geometry(step)
+    scores = estimate_geometry(geom, estimate, geom.head_dim ** -0.5)
     backend = impls.resolve_ragged(impl, step.args[0]).for_step(
         geom, step.args[0].dtype, estimate_geom=scores).estimate
     threshold = jnp.full((geom.q_heads,), THRESHOLD, jnp.float32)
@@ -193,9 +210,7 @@ def ragged_mask_call(step: Step, impl: str, estimate: str):
 
 def _mask_diff(step: Step, ragged_mask, request_masks) -> int:
     """Blocks where a chunk's ragged mask rows differ from its own `xattention` mask."""
-    blocks = ragged_blocks(step.args[5], step.args[3], step.args[6],
-                           jnp.int32(step.decode_seqs),
-                           check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0])
+    blocks = step_blocks(step, step_geometry(step))
     diff = 0
     for s, mask in request_masks.items():
         rows = ragged_mask[:, int(blocks.cu_q_blocks[s]):int(blocks.cu_q_blocks[s + 1])]
@@ -221,9 +236,7 @@ def _dense(q, k, v):
 def kept_pairs(mask: jax.Array, step: Step) -> float:
     """(query, key) pairs the ragged attention computes: over heads, each live mask row's
     queries against the causally visible keys of its kept blocks."""
-    geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
-    blocks = ragged_blocks(step.args[5], step.args[3], step.args[6],
-                           jnp.int32(step.decode_seqs), geom)
+    blocks = step_blocks(step, step_geometry(step))
     kept = np.asarray(mask).sum(axis=0).astype(np.float64)  # [QB, KB], over heads
     seq = np.asarray(blocks.row_seq)
     block = np.asarray(blocks.row_block)
@@ -285,10 +298,7 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None,
             mask_diff=_mask_diff(step, mask, masks))
         add("loop-estimate", "auto", loop_ms, estimate_flops)
     if "step" in rows:
-        call = jax.jit(lambda *a: ragged_xattention(*a, decode_seqs=step.decode_seqs,
-                                                    block_size=BLOCK, stride=STRIDE,
-                                                    return_mask=True, impl=impl,
-                                                    estimate=estimate))
+        call = ragged_step_call(step, impl, estimate)
         _, mask = call(*step.args)
         pairs = kept_pairs(mask.blocks, step)
         flops = 4 * shape.head_dim * pairs + estimate_flops
@@ -337,7 +347,7 @@ def run_step(step: Step, rows: set[str], impl: str, tflops: float | None,
 
 def ragged_attention_call(step: Step, impl: str, mask: jax.Array):
     """The step's attention alone on a given mask (`RaggedMask.blocks`), jitted."""
-    geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
+    geom = step_geometry(step)
     attention = impls.resolve_ragged(impl, step.args[0]).for_step(
         geom, step.args[0].dtype).attention
     scale = geom.head_dim ** -0.5
@@ -352,13 +362,10 @@ def ragged_attention_call(step: Step, impl: str, mask: jax.Array):
 
 def flex_row(step: Step, impl: str, estimate: str, add) -> None:
     """FlexAttention on the ragged step's mask, checked against our attention on it."""
-    geom = check_step(*step.args, None, block_size=BLOCK, stride=STRIDE)[0]
-    _, mask = jax.jit(lambda *a: ragged_xattention(
-        *a, decode_seqs=step.decode_seqs, block_size=BLOCK, stride=STRIDE, return_mask=True,
-        impl=impl, estimate=estimate))(*step.args)
+    geom = step_geometry(step)
+    _, mask = ragged_step_call(step, impl, estimate)(*step.args)
     ours = ragged_attention_call(step, impl, mask.blocks)(*step.args)
-    blocks = ragged_blocks(step.args[5], step.args[3], step.args[6],
-                           jnp.int32(step.decode_seqs), geom)
+    blocks = step_blocks(step, geom)
     q, k, v, _, table = step.args[:5]
     compiled = jax.default_backend() == "gpu"
     call, unpacked, wrong = flex_ragged.peer_call(q, k, v, table, mask.blocks, blocks,
@@ -438,7 +445,7 @@ def main(argv=None) -> None:
                         default="estimate,step,loop,dense,dense-rate,flex,bridged")
     parser.add_argument("--impl", default="auto")
     parser.add_argument("--estimate", default="antidiagonal",
-                        choices=("antidiagonal", "sampled-rows"))
+                        choices=ESTIMATES)
     parser.add_argument("--json")
     parser.add_argument("--md")
     parser.add_argument("--smoke", action="store_true")

@@ -386,7 +386,6 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused, estimate):
     implementation's block sums and output against the reference's."""
     from xattn_jax import impls
     from xattn_jax.ragged.checks import check_step
-    from xattn_jax.ragged.geometry import RaggedSampledGeometry
     from xattn_jax.ragged.layout import ragged_blocks
 
     lengths = [(1, 700), (1, 3000), (512, 2048), (700, 2500), (300, 300), (2048, 4096)]
@@ -399,8 +398,7 @@ def test_kernels_equal_the_reference_on_gpu(rand, page_size, fused, estimate):
     geom, kv_lens, table, cu, num_seqs, decode = check_step(*args, None, **options)
     blocks = ragged_blocks(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, decode, geom)
     cache = ragged_api._fused_pairs(jnp.asarray(k)) if fused else jnp.asarray(k)
-    scores = geom if estimate == "antidiagonal" else RaggedSampledGeometry.of(
-        geom, 16, 128 ** -0.5)
+    scores = ragged_api.estimate_geometry(geom, estimate, 128 ** -0.5)
     auto = impls.resolve_ragged("auto", jnp.asarray(step.q)).for_step(
         geom, step.q.dtype, estimate_geom=scores).estimate
     assert auto.name in ("mosaic", "triton")

@@ -65,15 +65,21 @@ def ragged_mask(q, k, page_indices, blocks, threshold, geom: RaggedGeometry, *,
                          dense_last=dense_last)
 
 
+def estimate_geometry(geom: RaggedGeometry, estimate: str, scale: float) -> RaggedGeometry:
+    """The sizes the estimate runs on: geom itself for the antidiagonal estimate, its
+    `RaggedSampledGeometry` (at the attention's q.k multiplier `scale`) for sampled rows."""
+    if estimate == "sampled-rows":
+        return RaggedSampledGeometry.of(geom, SAMPLED_ROWS, scale)
+    return geom
+
+
 def _ragged_core(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, decode_seqs,
                  threshold, *, step: RaggedGeometry, impl: impls.RaggedBackends,
                  estimate: str, norm: float, scale: float | None, min_blocks: int,
                  dense_last: int, return_mask: bool):
     geom = step.local(q, k)  # a shard's heads under partitioning
     scale = geom.head_dim ** -0.5 if scale is None else scale
-    scores = geom
-    if estimate == "sampled-rows":  # at the attention's scale, without norm
-        scores, norm = RaggedSampledGeometry.of(geom, SAMPLED_ROWS, scale), 1.0
+    scores = estimate_geometry(geom, estimate, scale)
     impl = impl.for_step(geom, q.dtype, estimate_geom=scores)
     if geom.fused:
         k = _fused_pairs(k)

@@ -70,11 +70,9 @@ class RaggedGeometry:
         """The estimate's columns per key block: block_size / S reshaped columns."""
         return self.block_size // self.stride
 
-    @property
-    def scale(self) -> float:
-        """The estimate's q.k multiplier 1 / (sqrt(D) * S * norm) without norm; callers
-        divide by norm."""
-        return 1.0 / (self.head_dim ** 0.5 * self.stride)
+    def score_scale(self, norm: float) -> float:
+        """The estimate's q.k multiplier: 1 / (sqrt(D) * S * norm)."""
+        return 1.0 / (self.head_dim ** 0.5 * self.stride * norm)
 
     def query_position(self, rows):
         """The query group of each reshaped row (`triton.common.step_product`): the
@@ -106,8 +104,9 @@ class RaggedSampledGeometry(RaggedGeometry):
     def block_rows(self) -> int:
         return self.rows
 
-    @property
-    def scale(self) -> float:
+    def score_scale(self, norm: float) -> float:
+        """The sampled rows' q.k multiplier: the softmax scale (norm unused)."""
+        del norm
         return self.softmax_scale
 
     def sampled_position(self, rows, first_position, kv_len):

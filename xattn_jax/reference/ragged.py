@@ -88,7 +88,7 @@ def sampled_mass(q, k, page_indices, blocks: RaggedBlocks,
                  geom: RaggedSampledGeometry) -> jax.Array:
     """The sampled rows' block scores per mask row: float32 `[Hq, QB, KB]`, zero in rows
     that are not live or whose sequence is not estimated. A row's `geom.rows` queries sit
-    at `geom.sampled_position`; each one's exact softmax (scale geom.scale) over the keys
+    at `geom.sampled_position`; each one's exact softmax (its softmax scale) over the keys
     it sees, summed per key block and over the rows."""
     bs, rows, group = geom.block_size, geom.rows, geom.group
     # 4-byte inputs need HIGHEST (not TF32); 2-byte inputs' products are exact in float32
@@ -105,7 +105,7 @@ def sampled_mass(q, k, page_indices, blocks: RaggedBlocks,
                             preferred_element_type=jnp.float32)
         key = jnp.arange(keys.shape[1])
         seen = (key[None, :] < count) & (key[None, :] <= position[:, None])  # [rows, keys]
-        p = jax.nn.softmax(jnp.where(seen, scores * geom.scale, -jnp.inf), axis=-1)
+        p = jax.nn.softmax(jnp.where(seen, scores * geom.softmax_scale, -jnp.inf), axis=-1)
         mass = p.reshape(geom.q_heads, rows, geom.k_blocks, bs).sum(axis=(1, 3))
         return jnp.where(blocks.estimated[seq] & blocks.row_live[row], mass, 0.0)
 

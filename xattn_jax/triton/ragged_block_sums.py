@@ -281,7 +281,7 @@ def ragged_block_sums(q, k, page_indices, blocks: RaggedBlocks, *, plan: RaggedP
                       norm: float) -> jax.Array:
     """Block sums float32 `[Hq, QB, KB]` of a ragged step (`reference.ragged.block_sums`'s
     values in the rows of estimated sequences; other rows hold anything); on a
-    `RaggedSampledGeometry`, the sampled rows' (norm 1: at the softmax scale).
+    `RaggedSampledGeometry`, the sampled rows' (norm unused).
 
     q `[T, Hq, D]`; k `[num_pages, page_size, Hkv, D]`, or a fused cache's view
     `[num_pages, page_size, Hkv, 2, D]` (its K read in place); page_indices int32
@@ -295,7 +295,7 @@ def ragged_block_sums(q, k, page_indices, blocks: RaggedBlocks, *, plan: RaggedP
              plan.key_tiles * plan.blocks_per_tile)
     scratch = [(plan.programs, plan.block_q, plan.key_tiles * plan.blocks_per_tile),
                (plan.programs, plan.block_q, plan.key_tiles)]
-    scale = LOG2_E * geom.scale / norm
+    scale = LOG2_E * geom.score_scale(norm)
     operands = (tiles.count.reshape(1), tiles.table, starts, q, k,
                 page_indices.astype(jnp.int32))
     sums, _, _ = pl.pallas_call(
