@@ -247,6 +247,17 @@ def merge_json(path: str, records: list[dict], key: tuple[str, ...] = RECORD_KEY
     path.write_text(json.dumps(merged, indent=1) + "\n")
 
 
+# the benchmarks whose rows share bench/results/model_quality.json, each row naming its own
+MODEL_QUALITY, QUALITY_TIME, RETRIEVAL = "model_quality", "quality_time", "retrieval"
+
+
+def rows_of(records: list[dict], benchmark: str) -> list[dict]:
+    """The rows one benchmark wrote into a record that several share (their `benchmark`
+    field: model_quality.json holds bench.model_quality's, bench.quality_time's and
+    bench.retrieval's)."""
+    return [r for r in records if r.get("benchmark") == benchmark]
+
+
 def write_outputs(records: list[dict], table: str, json_path: str | None,
                   md_path: str | None, key: tuple[str, ...] = RECORD_KEY) -> None:
     """The markdown table on stdout; the records merged into `json_path` by `key`

@@ -53,9 +53,9 @@ from bench import llama, smollm2, texts
 from xattn_jax import fp8
 from xattn_jax.calibrate import allocate, head_curves
 from xattn_jax.defaults import DENSE_LAST, MIN_BLOCKS, THRESHOLD
-from bench.common import commit, gpu_name, log, today, versions, write_outputs
+from bench.common import MODEL_QUALITY, commit, gpu_name, log, today, versions, write_outputs
 
-QUALITY_KEY = ("setting", "text", "gpu")  # what identifies a record's row (merge_json)
+QUALITY_KEY = ("benchmark", "setting", "text", "gpu")  # what identifies a row (merge_json)
 PASSKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PASSKEY_KEYS = (71432, 38517, 90264, 46871, 25309, 63148, 17952, 84036, 52790)
 KEPT_NATS = 1.0  # a passkey is kept when its log-prob is at most this below dense's
@@ -514,8 +514,8 @@ def main(argv=None) -> None:
             for rule in args.calibrate_rules.split(",") for t in args.targets.split(",")]
     records = run(model, settings, tokens, (256 if args.smoke else args.passkey_length)
                   if args.passkey else None, args.text)
-    meta = {"gpu": gpu_name(), "date": today(), "versions": versions(),
-            "dtype": jnp.dtype(dtype).name, "commit": commit()}
+    meta = {"benchmark": MODEL_QUALITY, "gpu": gpu_name(), "date": today(),
+            "versions": versions(), "dtype": jnp.dtype(dtype).name, "commit": commit()}
     for r in records:
         r.update(meta)
     command = " ".join(["python -m bench.model_quality", *(sys.argv[1:] if argv is None

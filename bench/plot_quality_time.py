@@ -24,6 +24,8 @@ import math
 import pathlib
 import sys
 
+from bench.common import QUALITY_TIME, rows_of
+
 PARTS = ("estimate", "attention", "xattention")  # a setting's timed rows at a scale
 ESTIMATE_COLORS = {"antidiagonal": "tab:blue", "sampled-rows": "tab:green"}
 RULE_STYLES = {"uniform": dict(marker="o", linestyle="--"),
@@ -218,15 +220,20 @@ def markdown(records: list[dict], png_name: str, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(records: list[dict]):
+def figure_size(records: list[dict]) -> tuple[float, float]:
+    return 5.2 * len(points(records)[0]), 8
+
+
+def figure(records: list[dict], fig=None):
     """Top-1 (upper row) and KL (lower row, log) against the whole call's time, one column
-    per scale; the dense call as a grey line, the settings named defaults squared."""
+    per scale; the dense call as a grey line, the settings named defaults squared. Drawn
+    on `fig` (a figure or subfigure) where given."""
     import matplotlib.pyplot as plt
 
     by_scale, dense = points(records)
     several = impls_of_estimates(records)
-    fig, axes = plt.subplots(2, len(by_scale), figsize=(5.2 * len(by_scale), 8),
-                             squeeze=False)
+    fig = fig or plt.figure(figsize=figure_size(records), layout="tight")
+    axes = fig.subplots(2, len(by_scale), squeeze=False)
     for col, (name, scale_points) in enumerate(by_scale.items()):
         top_ax, kl_ax = axes[0, col], axes[1, col]
         for curve, pts in curves(scale_points, several).items():
@@ -253,7 +260,6 @@ def figure(records: list[dict]):
     fig.suptitle(f"Quality (SmolLM2-135M-Instruct, {_distinct(records, 'quality_length')} "
                  f"tokens of real text) against time, {_distinct(records, 'gpu')}, "
                  f"{_distinct(records, 'date')}; squares: the settings named defaults")
-    fig.tight_layout()
     return fig
 
 
@@ -267,7 +273,7 @@ def main(argv=None) -> None:
     records = []
     for path in args.records:
         records += json.loads(pathlib.Path(path).read_text())
-    records = one_gpu(records, args.gpu)
+    records = one_gpu(rows_of(records, QUALITY_TIME), args.gpu)
     command = " ".join(["python -m bench.plot_quality_time",
                         *(sys.argv[1:] if argv is None else argv)])
     import matplotlib

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from bench.common import RETRIEVAL, rows_of
 from bench.plot_model_quality import series_of, series_style
 from bench.plotting import records_and_output
 
@@ -19,6 +20,7 @@ METRICS = (("accuracy_change_points", "accuracy change against dense, points"),
 def main(argv=None) -> None:
     records, source, out = records_and_output(
         argv, "python -m bench.plot_retrieval RESULTS.json OUT.png")
+    records = rows_of(records, RETRIEVAL)
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(r["task"] for r in records))

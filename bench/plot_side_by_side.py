@@ -20,25 +20,29 @@ from bench.plotting import records_and_output
 IMPL_ORDER = ("original", "xattn-jax-triton", "xattn-jax-mosaic", "xattn-jax")
 
 
-def _impl(record: dict) -> str:
-    return record["impl"].split(" (", 1)[0]
+def _impl(record: dict, gpu: str) -> str:
+    """The bar's implementation: the record's, with its GPU where that is not `gpu`."""
+    name = record["impl"].split(" (", 1)[0]
+    return name if record["gpu"] == gpu else f"{name}, {record['gpu']}"
 
 
 def side_by_side_figure(records: list[dict]):
     """The figure of `records` (dicts with case, impl, ms, floor_ms, gpu, date and,
     optionally, same_run_floor_ms): one bar container per implementation, in IMPL_ORDER
-    (others after, by name). A ValueError where two records share a case and an
-    implementation."""
+    (others after, by name), the GPU of most records in the title and any other GPU in
+    its bars' names. A ValueError where two records share a case and an implementation."""
     import matplotlib.pyplot as plt
 
+    gpus = [r["gpu"] for r in records]
+    gpu = max(dict.fromkeys(gpus), key=gpus.count)
     cases = list(dict.fromkeys(r["case"] for r in records))
-    found = {_impl(r) for r in records}
+    found = {_impl(r, gpu) for r in records}
     impls = [i for i in IMPL_ORDER if i in found] + sorted(found - set(IMPL_ORDER))
     by_key = {}
     for r in records:
-        if by_key.setdefault((r["case"], _impl(r)), r) is not r:
+        if by_key.setdefault((r["case"], _impl(r, gpu)), r) is not r:
             raise ValueError(f"records: two of case {r['case']!r} and implementation "
-                             f"{_impl(r)!r}; a case takes one bar an implementation")
+                             f"{_impl(r, gpu)!r}; a case takes one bar an implementation")
     width = 0.8 / len(impls)
     highest = max(r["ms"] / r["floor_ms"] for r in records)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(cases)), 4.8))
@@ -58,7 +62,7 @@ def side_by_side_figure(records: list[dict]):
     ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("time / floor (bar labels: ms)")
     dates = ", ".join(sorted({r["date"] for r in records}))
-    ax.set_title(f"XAttention estimate, {records[0]['gpu']}, {dates} "
+    ax.set_title(f"XAttention estimate, {gpu}, {dates} "
                  "(black tick: the same run's matmul floor)", fontsize=9)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)

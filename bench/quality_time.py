@@ -32,9 +32,13 @@ extra_mib: the compiled call's outputs plus temporaries. `density` is the timed 
 share of the causally allowed blocks (`model_density` the real model's), `pair_density`
 its share of the visible (query, key) pairs.
 
-    python -m bench.quality_time --json PATH       # GPU
-    python -m bench.plot_quality_time PATH --md OUT.md --png OUT.png   # table and plot
+    python -m bench.quality_time --json bench/results/model_quality.json   # GPU
+    python -m bench.plot_quality_time bench/results/model_quality.json --md OUT.md --png OUT.png
     python -m bench.quality_time --smoke --json PATH   # CPU, tiny sizes, times meaningless
+
+The rows carry `"benchmark": "quality_time"`: they share bench/results/model_quality.json
+with the quality records they were timed from, whose plot (`bench.plot_model_quality`)
+shows them below the quality against density.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ import numpy as np  # noqa: E402
 
 from bench.attention import (FULL, SMOLLM2, attention_flops, cudnn_call,  # noqa: E402
                              impl_label, structured_qkv)
-from bench.common import (Sizes, floor_ms, log, matmul_tflops, record, report,  # noqa: E402
-                          strided_flops, time_ms, write_outputs)
+from bench.common import (MODEL_QUALITY, QUALITY_TIME, Sizes, floor_ms, log,  # noqa: E402
+                          matmul_tflops, record, report, rows_of, strided_flops, time_ms,
+                          write_outputs)
 from xattn_jax import (block_sparse_attention, sampled_block_mass, select_blocks,  # noqa: E402
                        xattn_estimate)
 from xattn_jax.defaults import SAMPLED_ROWS  # noqa: E402
@@ -65,6 +70,7 @@ from xattn_jax.sampled_rows import sampled_positions  # noqa: E402
 
 QUALITY = pathlib.Path(__file__).parent / "results" / "model_quality.json"
 TEXT = "licenses"  # the text the settings were checked on, not chosen on
+QUALITY_TIME_KEY = ("benchmark", "case", "impl", "gpu")  # what identifies a row (merge_json)
 ESTIMATE_OF_RULE = {"estimate": "antidiagonal", "sampled-rows": "sampled-rows"}
 BISECTION_STEPS = 24  # halvings of the threshold interval (0, 1]: float32's resolution
 DENSITY_TOLERANCE = 0.005  # a timed mask further than this from the model's is logged
@@ -104,7 +110,7 @@ def quality_settings(records: list[dict], text: str = TEXT, source: str = "") ->
     estimate (`ESTIMATE_OF_RULE`; dense, the oracle and fp8 keys are left out), in the
     records' order. Raises ValueError naming `text` where no such record exists, and for
     records of several lengths."""
-    scored = [r for r in records if r.get("text") == text]
+    scored = [r for r in rows_of(records, MODEL_QUALITY) if r.get("text") == text]
     chosen = [r for r in scored if r.get("rule") in ESTIMATE_OF_RULE]
     if not chosen:
         texts = sorted({r.get("text") for r in records})
@@ -319,7 +325,8 @@ def row(sc: Scale, case: str, impl: str, call, args: tuple, flops: float, tflops
     shapes = {"scale": sc.name, "model": sc.model, "length": sc.length,
               "q_heads": sz.q_heads, "kv_heads": sz.kv_heads, "head_dim": sz.head_dim,
               "block_size": sz.block, "dtype": "bfloat16", "data": "structured"}
-    return record(case, impl, ms, floor_ms(flops), mib, tflops) | shapes | fields
+    return (record(case, impl, ms, floor_ms(flops), mib, tflops) | shapes | fields
+            | {"benchmark": QUALITY_TIME})
 
 
 def setting_rows(calls: Calls, s: Setting, tflops, attention_impl: str) -> list[dict]:
@@ -441,7 +448,7 @@ def main(argv=None) -> None:
         rows = [r | {"command": command} for r in time_scale(sc, settings, tflops)]
         records += rows
         # after every scale, so that a cut-short run keeps what it measured
-        write_outputs(records, report(rows), args.json, None)
+        write_outputs(records, report(rows), args.json, None, QUALITY_TIME_KEY)
 
 
 if __name__ == "__main__":

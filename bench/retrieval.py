@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import model_quality, retrieval_tasks, smollm2, texts
-from bench.common import commit, log, today, versions, write_outputs
+from bench.common import RETRIEVAL, commit, log, today, versions, write_outputs
 
 TARGET_POINTS = 2.0  # the defaults' accuracy should stay within this of dense's
 ITEMS = 50  # per task by default: one item is 2 points, TARGET_POINTS
 # what identifies a record's row (bench.common.merge_json); "gpu" is the device's name
-RETRIEVAL_KEY = ("setting", "task", "text", "gpu")
+RETRIEVAL_KEY = ("benchmark", "setting", "task", "text", "gpu")
 DENSE = model_quality.Setting("dense", "dense")
 CALIBRATE_RULES = ("estimate", "sampled-rows", "oracle")  # model_quality.calibrated's
 
@@ -217,9 +217,9 @@ def main(argv=None) -> None:
     command = " ".join(["python -m bench.retrieval",
                         *(sys.argv[1:] if argv is None else argv)])
     # what ran and where, taken before the run (the checkout may change during it)
-    stamp = {"text": args.text, "length": length, "form": args.form, "seed": args.seed,
-             "gpu": device.device_kind, "dtype": jnp.dtype(dtype).name, "date": today(),
-             "versions": versions(), "commit": commit(), "command": command}
+    stamp = {"benchmark": RETRIEVAL, "text": args.text, "length": length, "form": args.form,
+             "seed": args.seed, "gpu": device.device_kind, "dtype": jnp.dtype(dtype).name,
+             "date": today(), "versions": versions(), "commit": commit(), "command": command}
     with jax.default_device(device):
         model = model_quality.Model(dtype)
         if args.calibrate_on:

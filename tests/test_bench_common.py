@@ -61,3 +61,22 @@ def test_merge_json_takes_another_key_and_refuses_rows_without_their_gpu(tmp_pat
     with pytest.raises(ValueError, match=r"lacks \['gpu'\]"):
         common.merge_json(path, [{"case": "causal-32k", "impl": "mosaic", "ms": 1.0}])
     assert json.loads(path.read_text()) == [dict(quality[0], top1=0.5)]  # not written
+
+
+def test_benchmarks_sharing_a_record_keep_each_others_rows(tmp_path):
+    """model_quality.json holds three benchmarks' rows: a row of one never replaces a row
+    of another, even where their other key fields agree."""
+    from bench.model_quality import QUALITY_KEY
+    from bench.quality_time import QUALITY_TIME_KEY
+    from bench.retrieval import RETRIEVAL_KEY
+
+    path = tmp_path / "shared.json"
+    same = {"setting": "s", "text": "t", "gpu": "G", "case": "c", "impl": "i", "task": "k"}
+    writes = ((common.MODEL_QUALITY, QUALITY_KEY), (common.RETRIEVAL, RETRIEVAL_KEY),
+              (common.QUALITY_TIME, QUALITY_TIME_KEY))
+    for run in (1, 2):
+        for benchmark, key in writes:
+            common.merge_json(path, [dict(same, benchmark=benchmark, run=run)], key)
+    rows = json.loads(path.read_text())
+    assert [(r["benchmark"], r["run"]) for r in rows] == [(b, 2) for b, _ in writes]
+    assert common.rows_of(rows, common.RETRIEVAL) == [rows[1]]

@@ -66,3 +66,37 @@ def test_the_estimate_record_plots_its_chunk_rows_in_one_file(tmp_path):
     records, _, _ = records_and_output([str(path), str(tmp_path / "out.png")], "usage")
     cases = [t.get_text() for t in side_by_side_figure(records).axes[0].get_xticklabels()]
     assert "causal-32k" in cases and "chunk4096-ctx64k" in cases
+
+
+def test_the_model_quality_record_plots_quality_over_density_and_over_time(tmp_path):
+    """bench/results/model_quality.json holds `bench.model_quality`'s rows and
+    `bench.quality_time`'s: one image, quality against density above, against time below
+    (two axes per timed scale); without timed rows, the upper part alone."""
+    import json
+
+    from bench import plot_model_quality
+    from bench.common import MODEL_QUALITY, rows_of
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench/results/model_quality.json"
+    records = json.loads(path.read_text())
+    scales = {r["scale"] for r in records if r.get("benchmark") == "quality_time"}
+    fig = plot_model_quality.figure(records)
+    top, bottom = fig.subfigs
+    assert len(top.axes) == 2 and len(bottom.axes) == 2 * len(scales) >= 2
+    alone = plot_model_quality.figure(rows_of(records, MODEL_QUALITY))
+    assert not alone.subfigs and len(alone.axes) == 2
+    with pytest.raises(ValueError, match="no sparse setting"):
+        plot_model_quality.figure([r for r in records if r.get("rule") == "dense"])
+    out = tmp_path / "quality.png"
+    plot_model_quality.main([str(path), str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_side_by_side_names_the_gpu_of_bars_from_another_gpu():
+    records = [_record("causal-32k", "original", 4.0, 0.5),
+               _record("causal-64k", "original", 9.0, 2.0),
+               dict(_record("causal-32k", "xattn-jax", 1.1, 0.5), gpu="NVIDIA H100")]
+    ax = side_by_side_figure(records).axes[0]
+    assert "NVIDIA H200" in ax.get_title()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["original", "xattn-jax, NVIDIA H100"]

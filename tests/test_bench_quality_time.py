@@ -12,6 +12,7 @@ import pytest
 
 from bench import plot_quality_time, quality_time
 from bench.attention import structured_qkv
+from bench.common import MODEL_QUALITY, QUALITY_TIME, rows_of
 from xattn_jax import xattention
 
 # the fields of every timing row, as bench.common.record writes them
@@ -20,7 +21,8 @@ NOT_WIDENED = ("estimate 0.95", "sampled-rows 0.95")
 
 
 def committed_quality() -> list[dict]:
-    return json.loads(quality_time.QUALITY.read_text())
+    """bench.model_quality's rows of the committed record (which holds quality_time's too)."""
+    return rows_of(json.loads(quality_time.QUALITY.read_text()), MODEL_QUALITY)
 
 
 # --- settings from model_quality.json --------------------------------------------------
@@ -49,8 +51,11 @@ def test_settings_are_the_licenses_records_with_an_estimate():
 def test_densities_follow_the_records_file(tmp_path):
     records = committed_quality()
     changed = [dict(r, density=0.5) if r["setting"] == "estimate 0.9" else r for r in records]
+    # another benchmark's row of the same setting, in the same record, is not read
+    timed = dict(changed[0], benchmark=QUALITY_TIME, setting="estimate 0.9", rule="estimate",
+                 text="python-docs", density=0.7)
     path = tmp_path / "quality.json"
-    path.write_text(json.dumps(changed))
+    path.write_text(json.dumps(changed + [timed]))
     settings, _ = quality_time.read_settings(path, "python-docs")
     by_name = {s.name: s for s in settings}
     assert by_name["estimate 0.9"].density == 0.5
@@ -138,7 +143,7 @@ FABRICATED = [("a 1", "antidiagonal", "uniform", 1.0, 0.80, 0.10),
 
 def fabricated_rows(scale: str = "llama-3.1-8b-32k", gpu: str = "GPU A",
                     impl: str = "jax") -> list[dict]:
-    stamp = {"gpu": gpu, "date": "2026-01-01", "versions": "v", "commit": "c",
+    stamp = {"benchmark": QUALITY_TIME, "gpu": gpu, "date": "2026-01-01", "versions": "v", "commit": "c",
              "floor_ms": 0.1, "extra_mib": 1.0, "scale": scale, "model": "M",
              "length": 32768, "command": "python -m bench.quality_time"}
     rows = [dict(stamp, case=f"{scale} dense", impl="cudnn", part="dense", ms=10.0)]
