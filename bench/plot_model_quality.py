@@ -104,5 +104,6 @@ def main(argv=None) -> None:
         sys.exit(f"{source}: {e}")
     fig.savefig(out, dpi=120)
 
+
 if __name__ == "__main__":
     main()

@@ -221,6 +221,7 @@ def markdown(records: list[dict], png_name: str, command: str) -> str:
 
 
 def figure_size(records: list[dict]) -> tuple[float, float]:
+    """The plot's (width, height) in inches: a column per scale."""
     return 5.2 * len(points(records)[0]), 8
 
 
