@@ -110,10 +110,10 @@ def quality_settings(records: list[dict], text: str = TEXT, source: str = "") ->
     estimate (`ESTIMATE_OF_RULE`; dense, the oracle and fp8 keys are left out), in the
     records' order. Raises ValueError naming `text` where no such record exists, and for
     records of several lengths."""
-    scored = [r for r in rows_of(records, MODEL_QUALITY) if r.get("text") == text]
-    chosen = [r for r in scored if r.get("rule") in ESTIMATE_OF_RULE]
+    quality = rows_of(records, MODEL_QUALITY)  # the shared record holds timed rows too
+    chosen = [r for r in quality if r.get("text") == text and r.get("rule") in ESTIMATE_OF_RULE]
     if not chosen:
-        texts = sorted({r.get("text") for r in records})
+        texts = sorted({r.get("text") for r in quality})
         raise ValueError(f"text: no estimate's record scored on {text!r} (texts: {texts})")
     lengths = sorted({r["length"] for r in chosen})
     if len(lengths) > 1:

@@ -67,6 +67,9 @@ def test_densities_follow_the_records_file(tmp_path):
 def test_records_without_the_text_are_refused():
     with pytest.raises(ValueError, match="text: no estimate's record scored on 'novels'"):
         quality_time.quality_settings(committed_quality(), "novels")
+    # the same from the committed record, whose timed rows name no text
+    with pytest.raises(ValueError, match=r"texts: \['licenses', 'python-docs'\]"):
+        quality_time.read_settings(quality_time.QUALITY, "novels")
 
 
 # --- the timed calls -------------------------------------------------------------------
@@ -143,8 +146,8 @@ FABRICATED = [("a 1", "antidiagonal", "uniform", 1.0, 0.80, 0.10),
 
 def fabricated_rows(scale: str = "llama-3.1-8b-32k", gpu: str = "GPU A",
                     impl: str = "jax") -> list[dict]:
-    stamp = {"benchmark": QUALITY_TIME, "gpu": gpu, "date": "2026-01-01", "versions": "v", "commit": "c",
-             "floor_ms": 0.1, "extra_mib": 1.0, "scale": scale, "model": "M",
+    stamp = {"benchmark": QUALITY_TIME, "gpu": gpu, "date": "2026-01-01", "versions": "v",
+             "commit": "c", "floor_ms": 0.1, "extra_mib": 1.0, "scale": scale, "model": "M",
              "length": 32768, "command": "python -m bench.quality_time"}
     rows = [dict(stamp, case=f"{scale} dense", impl="cudnn", part="dense", ms=10.0)]
     for name, estimate, rule, ms, top1, kl in FABRICATED:
